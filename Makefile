@@ -1,0 +1,38 @@
+# Two commands set everything up on a fresh machine: `make train` and `make test`.
+PYTHON ?= python3
+GPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+RUN_DIR ?= runs/$(shell date +%Y%m%d-%H%M%S)
+ARGS ?=
+
+# CPU: 1 target + 2 drafters over gloo. One GPU: target and drafter share it (gloo).
+# Several GPUs: one process per GPU over NCCL, 1 target and the rest drafters.
+ifeq ($(GPUS),0)
+NPROC ?= 3
+TOPOLOGY ?= t1d2
+else ifeq ($(GPUS),1)
+NPROC ?= 2
+TOPOLOGY ?= t1d1
+else
+NPROC ?= $(GPUS)
+TOPOLOGY ?= auto
+endif
+
+.PHONY: install train test bench clean
+
+install: .installed
+.installed: setup.cfg
+	@if ! $(PYTHON) -c "import torch" 2>/dev/null; then \
+	  if [ "$(GPUS)" = "0" ]; then $(PYTHON) -m pip install torch==2.13.0; \
+	  else $(PYTHON) -m pip install 'torch>=2.11'; fi; fi
+	$(PYTHON) -m pip install -e '.[test]'
+	@touch .installed
+
+train: install
+	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) -m launcher.train \
+	  topology=$(TOPOLOGY) run.dir=$(RUN_DIR) $(ARGS)
+
+test: install
+	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf runs .cache .installed *.egg-info

@@ -1,0 +1,194 @@
+"""Drafter role: receive -> anchors + mask -> forward/backward -> DP all-reduce -> optimiser step."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from dflash_core.attention import compile_count
+from dflash_core.export import export_drafter
+from dflash_core.frozen_head import FrozenTargetHead
+from dflash_core.model import DFlashDrafter
+from dflash_core.objective import default_gamma, drafter_step, evaluate_tau
+from launcher import checkpoint
+from launcher.channel import Receiver
+from launcher.context import Context
+from launcher.lr_schedule import lr_multiplier
+from launcher.setup_models import compute_dtype, drafter_config, target_dir
+
+log = logging.getLogger("dflash")
+
+
+def _item_generator(device: torch.device, seed: int, index: int) -> torch.Generator:
+    # Anchors depend only on (seed, micro-batch index): resume replays them exactly, no RNG state needed.
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + index)
+
+
+class DrafterTrainer:
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        cfg = ctx.cfg
+        self.dcfg = drafter_config(cfg)
+        self.device = ctx.device
+        self.amp_dtype = compute_dtype("auto", self.device)
+        torch.manual_seed(cfg.run.seed)
+        self.drafter = DFlashDrafter(self.dcfg).to(self.device)
+        self.head = FrozenTargetHead.from_target_dir(target_dir(cfg), device=self.device, dtype=self.amp_dtype)
+        self.model = DistributedDataParallel(
+            self.drafter, process_group=ctx.groups.drafters, broadcast_buffers=False,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                           weight_decay=o.weight_decay, fused=self.device.type == "cuda")
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_multiplier(o, cfg.train.steps))
+        d = cfg.drafter
+        self.step_kwargs = dict(num_anchors=d.num_anchors, loss_type=d.loss,
+                                gamma=d.gamma if d.gamma is not None else default_gamma(d.block_size),
+                                alpha=d.dpace_alpha, backend=d.backend, chunk_blocks=d.chunk_blocks,
+                                feature_noise_std=d.feature_noise_std)
+        self.is_lead = ctx.rank == ctx.topo.lead_drafter
+        self.wait_s = self.compute_s = 0.0
+
+    def autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=self.amp_dtype)
+        return contextlib.nullcontext()
+
+    def state(self, step: int) -> dict:
+        return {"step": step, "model": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "rng": checkpoint.rng_state(),
+                "drafter_config": vars(self.dcfg)}
+
+    def load_state(self, state: dict) -> None:
+        self.drafter.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        checkpoint.set_rng_state(state["rng"])
+
+    def train_step(self, payloads) -> torch.Tensor:
+        """One optimiser step over this rank's micro-batches; returns the globally reduced stats."""
+        bs = self.dcfg.block_size
+        stats = torch.zeros(5 + 2 * bs, dtype=torch.float64, device=self.device)
+        for a, p in enumerate(payloads):
+            last = a == len(payloads) - 1
+            with (contextlib.nullcontext() if last else self.model.no_sync()), self.autocast():
+                out = drafter_step(self.model, self.head, p.input_ids, p.loss_mask, p.hidden,
+                                   generator=_item_generator(self.device, self.ctx.cfg.run.seed, p.item.index),
+                                   **self.step_kwargs)
+                out.loss_sum.backward()
+            stats[:5] += torch.stack([out.loss_sum.detach().double(), out.weight_sum.double(),
+                                      torch.as_tensor(out.tau_sum, dtype=torch.float64, device=self.device),
+                                      torch.as_tensor(out.tau_count, dtype=torch.float64, device=self.device),
+                                      torch.tensor(float(p.num_tokens), dtype=torch.float64, device=self.device)])
+            stats[5:5 + bs] += out.slot_correct.double()
+            stats[5 + bs:] += out.slot_weight.double()
+        dist.all_reduce(stats, group=self.ctx.groups.drafters)
+        # DDP averaged the gradients of the unnormalised loss sums over D ranks: rescale so the step
+        # optimises (global weighted CE sum) / (global weight sum).
+        scale = self.ctx.topo.num_drafters / max(stats[1].item(), 1e-9)
+        for param in self.drafter.parameters():
+            if param.grad is not None:
+                param.grad.mul_(scale)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.ctx.cfg.optim.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return stats, float(grad_norm)
+
+    @torch.no_grad()
+    def evaluate(self, payloads) -> dict:
+        bs = self.dcfg.block_size
+        sums = torch.zeros(2 + 2 * bs, dtype=torch.float64, device=self.device)
+        self.drafter.eval()
+        for p in payloads:
+            with self.autocast():
+                r = evaluate_tau(self.drafter, self.head, p.input_ids, p.loss_mask, p.hidden,
+                                 backend=self.ctx.cfg.drafter.backend)
+            sums[0] += r["tau_sum"]
+            sums[1] += r["tau_count"]
+            sums[2:2 + bs] += r["slot_correct"].double()
+            sums[2 + bs:] += r["slot_weight"].double()
+        self.drafter.train()
+        dist.all_reduce(sums, group=self.ctx.groups.drafters)
+        return _summarise(sums[0], sums[1], sums[2:2 + bs], sums[2 + bs:])
+
+
+def _summarise(tau_sum, tau_count, correct, weight) -> dict:
+    acc = (correct[1:] / weight[1:].clamp_min(1e-9)).tolist()
+    eal = 1.0 + float(torch.cumprod(torch.tensor(acc), 0).sum())
+    return {"tau": float(tau_sum / tau_count.clamp_min(1)), "acc": sum(acc) / len(acc), "acc_k": acc, "eal": eal}
+
+
+def run_drafter(ctx: Context) -> dict:
+    cfg, topo, sched = ctx.cfg, ctx.topo, ctx.schedule
+    trainer = DrafterTrainer(ctx)
+    ckpt_root = ctx.run_dir / "checkpoints"
+    if ctx.start_step > 0:
+        step, state = checkpoint.load(ckpt_root / f"step_{ctx.start_step:08d}")
+        trainer.load_state(state)
+        log.info("resumed from step %d", step)
+    drafter_index = topo.drafter_index(ctx.rank)
+    receiver = Receiver(sched.items_for_drafter(drafter_index, ctx.start_step), topo.unit_leader,
+                        ctx.comm_device, ctx.device)
+    sink = None
+    if trainer.is_lead:
+        from launcher.metrics import MetricsSink
+        sink = MetricsSink(ctx.run_dir, cfg.train.steps, ctx.start_step, cfg.run.progress)
+    seq_log = open(ctx.run_dir / "seq" / f"rank{ctx.rank}.log", "a", buffering=1)
+    first_loss = last_loss = None
+    tokens_total = 0.0
+    started = time.perf_counter()
+    window_start, window_tokens = started, 0.0
+    for step in range(ctx.start_step, cfg.train.steps):
+        t0 = time.perf_counter()
+        payloads = [next(receiver) for _ in range(cfg.train.grad_accum)]
+        t1 = time.perf_counter()
+        stats, grad_norm = trainer.train_step(payloads)
+        t2 = time.perf_counter()
+        trainer.wait_s += t1 - t0
+        trainer.compute_s += t2 - t1
+        for p in payloads:
+            seq_log.write(f"trained {p.item.seq} step {step}\n")
+        tokens_total += stats[4].item()
+        window_tokens += stats[4].item()
+        loss = (stats[0] / stats[1].clamp_min(1e-9)).item()
+        first_loss = loss if first_loss is None else first_loss
+        last_loss = loss
+        if sink is not None:
+            now = time.perf_counter()
+            bs = trainer.dcfg.block_size
+            record = {"step": step + 1, "loss": loss, "lr": trainer.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+                      "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
+                      **_summarise(stats[2], stats[3], stats[5:5 + bs], stats[5 + bs:])}
+            write = (step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.train.steps
+            sink.step(record, write)
+            if write:
+                window_start, window_tokens = now, 0.0
+        if sched.evaluates_after(step):
+            evals = [next(receiver) for _ in range(sched.eval_batches)]
+            result = trainer.evaluate(evals)
+            for p in evals:
+                seq_log.write(f"evaluated {p.item.seq} step {step}\n")
+            if sink is not None:
+                sink.eval({"step": step + 1, **result})
+        done = step + 1
+        if trainer.is_lead and (done == cfg.train.steps or (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0)):
+            path = checkpoint.save(ckpt_root, done, trainer.state(done), cfg.run.keep_checkpoints)
+            log.info("checkpoint %s", path)
+    receiver.close([topo.unit_leader(u) for u in range(topo.num_units)])
+    seq_log.close()
+    wall = time.perf_counter() - started
+    result = {"wall_s": wall, "recv_wait_s": trainer.wait_s,
+              "step_s": trainer.compute_s, "items": len(receiver.received), "compiles": compile_count(),
+              "first_loss": first_loss, "last_loss": last_loss, "tokens": tokens_total,
+              "tokens_per_s": tokens_total / wall if wall > 0 else 0.0}
+    if trainer.is_lead:
+        sink.close()
+        if cfg.run.export:
+            export_drafter(trainer.drafter, ctx.run_dir / "export")
+            log.info("exported the drafter to %s", ctx.run_dir / "export")
+    return result

@@ -1,0 +1,54 @@
+"""The run directory (decided once per job), per-rank logging, and metrics files."""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger("dflash")
+
+
+def default_run_dir() -> Path:
+    return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+
+
+def prepare_run_dir(path: str | Path) -> Path:
+    """Create the run dir and prove it is writable; raises OSError naming the path."""
+    path = Path(path).resolve()
+    try:
+        (path / "logs").mkdir(parents=True, exist_ok=True)
+        probe = path / ".write_probe"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise OSError(f"run.dir={str(path)!r} is not writable: {exc.strerror or exc}") from exc
+    return path
+
+
+def setup_logging(tag: str, console_level: int, log_file: Path | None = None) -> None:
+    """Every line carries the role and rank; the console shows `console_level` and up."""
+    fmt = logging.Formatter(f"%(asctime)s [{tag}] %(levelname)s %(message)s", "%H:%M:%S")
+    log.handlers.clear()
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(fmt)
+    console.setLevel(console_level)
+    log.addHandler(console)
+    if log_file is not None:
+        file_handler = logging.FileHandler(log_file)
+        file_handler.setFormatter(fmt)
+        log.addHandler(file_handler)
+
+
+class JsonlWriter:
+    def __init__(self, path: Path):
+        self._file = open(path, "a", buffering=1)
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self._file.close()

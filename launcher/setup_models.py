@@ -1,0 +1,44 @@
+"""Resolve what both roles must agree on from the target checkpoint: layer ids, mask token, widths."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+from transformers import AutoConfig, AutoTokenizer
+
+from dflash_core.model import DrafterConfig
+from dflash_core.tiny import first_unused_token_id
+from launcher.config import ConfigError
+
+
+def target_dir(cfg: DictConfig) -> Path:
+    path = Path(cfg.target.path)
+    if not path.is_dir():
+        hint = " (build it with `make tiny-target`, or set target.build_tiny=true)" if not cfg.target.build_tiny else ""
+        raise ConfigError(f"target.path={str(path)!r}: no such directory{hint}")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"target.path={str(path)!r}: no config.json (not a Hugging Face model directory)")
+    return path
+
+
+def tokenizer_dir(cfg: DictConfig) -> Path:
+    return Path(cfg.data.tokenizer) if cfg.data.tokenizer else target_dir(cfg)
+
+
+def drafter_config(cfg: DictConfig) -> DrafterConfig:
+    path = target_dir(cfg)
+    hf_config = AutoConfig.from_pretrained(path)
+    mask_token_id = cfg.drafter.mask_token_id
+    if mask_token_id == "auto":
+        mask_token_id = first_unused_token_id(AutoTokenizer.from_pretrained(tokenizer_dir(cfg)), hf_config)
+    ids = list(cfg.drafter.target_layer_ids) if cfg.drafter.target_layer_ids is not None else None
+    return DrafterConfig.from_target(hf_config, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
+                                     mask_token_id=int(mask_token_id), target_layer_ids=ids)
+
+
+def compute_dtype(setting: str, device: torch.device) -> torch.dtype:
+    if setting == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+            "fp16": torch.float16, "float16": torch.float16}[setting]

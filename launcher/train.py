@@ -1,0 +1,149 @@
+"""Entry point: `torchrun ... -m launcher.train key=value ...` (one process per GPU or CPU slot)."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from launcher.config import compose_config, config_hash, config_yaml, validate
+from launcher.rundir import default_run_dir, log, prepare_run_dir, setup_logging
+from launcher.topology import parse_topology
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def _pick_device(setting: str, local_rank: int, local_world: int):
+    import torch
+    want_cuda = setting == "cuda" or (setting == "auto" and torch.cuda.is_available())
+    if not want_cuda:
+        return torch.device("cpu"), "gloo"
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise RuntimeError("run.device=cuda but no CUDA device is visible")
+    device = torch.device("cuda", local_rank % count)
+    # NCCL cannot put two ranks on one GPU: share GPUs over gloo (payloads travel through host memory).
+    return device, ("nccl" if count >= local_world else "gloo")
+
+
+def _agree_on_run_dir(cfg, rank: int, control) -> Path:
+    """Rank 0 decides and creates the run dir once; every rank gets the path or rank 0's error."""
+    import torch.distributed as dist
+    box = [None, None]
+    if rank == 0:
+        try:
+            box[0] = str(prepare_run_dir(cfg.run.dir or default_run_dir()))
+        except OSError as exc:
+            box[1] = str(exc)
+    dist.broadcast_object_list(box, src=0, group=control)
+    if box[1] is not None:
+        raise OSError(box[1])
+    return Path(box[0])
+
+
+def _check_same_config(cfg, control) -> None:
+    import torch.distributed as dist
+    hashes = [None] * dist.get_world_size()
+    dist.all_gather_object(hashes, config_hash(cfg), group=control)
+    if len(set(hashes)) != 1:
+        differing = [r for r, h in enumerate(hashes) if h != hashes[0]]
+        raise RuntimeError(f"ranks {differing} composed a config different from rank 0's "
+                           f"(hashes {hashes}): launch every rank with the same overrides and conf/")
+
+
+def _start_step(cfg, ctx_rank: int, lead: int, run_dir: Path, control) -> int:
+    """The lead drafter picks the checkpoint to resume from; every rank starts its stream there."""
+    import torch.distributed as dist
+    from launcher import checkpoint
+    box = [0]
+    if ctx_rank == lead and cfg.run.resume != "never":
+        found = checkpoint.load_latest(run_dir / "checkpoints")
+        box[0] = found[0] if found else 0
+    dist.broadcast_object_list(box, src=lead, group=control)
+    return box[0]
+
+
+def run(overrides: list[str]) -> int:
+    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
+    setup_logging(f"rank{rank}", logging.WARNING)
+    cfg = compose_config(overrides)
+    validate(cfg)
+    topo = parse_topology(cfg.topology, world, cfg.target.get("tp_size", 1))
+    role = topo.role(rank)
+    tag = f"{role}{rank}"
+    setup_logging(tag, logging.WARNING)
+
+    import torch
+    import torch.distributed as dist
+    from launcher.context import Context, schedule_from
+    from launcher.isolation import isolate
+    from launcher.topology import build_groups
+
+    device, backend = _pick_device(cfg.run.device, local_rank, local_world)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.run.timeout_s),
+                            device_id=device if backend == "nccl" else None)
+    groups = build_groups(topo, rank, cfg.run.timeout_s)
+    run_dir = _agree_on_run_dir(cfg, rank, groups.control)
+    lead = rank == topo.lead_drafter
+    setup_logging(tag, logging.INFO if lead else logging.WARNING, run_dir / "logs" / f"{tag}.log")
+    _check_same_config(cfg, groups.control)
+    if rank == 0:
+        (run_dir / "config.yaml").write_text(config_yaml(cfg))
+        (run_dir / "seq").mkdir(exist_ok=True)
+    iso = isolate(role, rank, local_world, Path(cfg.isolation.cache_root or run_dir / "compile_cache"), device,
+                  cfg.isolation.recompile_limit, cfg.isolation.compile_threads)
+    log.info("pid %d role %s rank %d/%d device %s backend %s threads %d compile cache %s", iso.pid, role, rank,
+             world, device, backend, iso.threads, iso.cache_dir)
+    if rank == 0 and cfg.target.build_tiny and not Path(cfg.target.path).is_dir():
+        from dflash_core.tiny import build_tiny_target
+        log.warning("building the embedded tiny target at %s", cfg.target.path)
+        build_tiny_target(cfg.target.path, seed=cfg.run.seed)
+    dist.barrier(group=groups.control)
+
+    ctx = Context(cfg, topo, rank, groups, device, device if backend == "nccl" else torch.device("cpu"),
+                  run_dir, schedule_from(cfg, topo), _start_step(cfg, rank, topo.lead_drafter, run_dir, groups.control),
+                  iso)
+    if ctx.start_step:
+        log.warning("resuming at step %d", ctx.start_step)
+    started = time.perf_counter()
+    if role == "target":
+        from launcher.target_role import run_target
+        stats = run_target(ctx)
+    else:
+        from launcher.drafter_role import run_drafter
+        stats = run_drafter(ctx)
+    stats.update(rank=rank, role=role, pid=iso.pid, cache_dir=str(iso.cache_dir), total_s=time.perf_counter() - started)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, stats, group=groups.control)
+    if lead:
+        from launcher.summary import write_summary
+        write_summary(ctx, gathered)
+    dist.barrier(group=groups.control)
+    dist.destroy_process_group()
+    return 0
+
+
+def main() -> None:
+    try:
+        code = run(sys.argv[1:])
+    except BaseException as exc:  # every rank reports its own failure, then exits non-zero at once
+        if isinstance(exc, SystemExit) and not exc.code:
+            raise
+        log.error("failed: %s: %s", type(exc).__name__, exc, exc_info=not isinstance(exc, (ValueError, OSError)))
+        logging.shutdown()
+        sys.stderr.flush()
+        # os._exit: a process group may still be alive, and its teardown can block.
+        os._exit(1)
+    logging.shutdown()
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
