@@ -13,7 +13,7 @@ from dflash_core.attention import compile_count
 from dflash_core.export import export_drafter
 from dflash_core.frozen_head import FrozenTargetHead
 from dflash_core.model import DFlashDrafter
-from dflash_core.objective import default_gamma, drafter_step, evaluate_tau
+from dflash_core.objective import acceptance_summary, default_gamma, drafter_step, evaluate_tau
 from launcher import checkpoint
 from launcher.channel import Receiver
 from launcher.context import Context
@@ -39,7 +39,7 @@ class DrafterTrainer:
         self.drafter = DFlashDrafter(self.dcfg).to(self.device)
         self.head = FrozenTargetHead.from_target_dir(target_dir(cfg), device=self.device, dtype=self.amp_dtype)
         self.model = DistributedDataParallel(
-            self.drafter, process_group=ctx.groups.drafters, broadcast_buffers=False,
+            self.drafter, process_group=ctx.groups.drafters,
             device_ids=[self.device.index] if self.device.type == "cuda" else None)
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
@@ -80,10 +80,8 @@ class DrafterTrainer:
                                    generator=_item_generator(self.device, self.ctx.cfg.run.seed, p.item.index),
                                    **self.step_kwargs)
                 out.loss_sum.backward()
-            stats[:5] += torch.stack([out.loss_sum.detach().double(), out.weight_sum.double(),
-                                      torch.as_tensor(out.tau_sum, dtype=torch.float64, device=self.device),
-                                      torch.as_tensor(out.tau_count, dtype=torch.float64, device=self.device),
-                                      torch.tensor(float(p.num_tokens), dtype=torch.float64, device=self.device)])
+            stats[:4] += torch.stack([out.loss_sum.detach(), out.weight_sum, out.tau_sum, out.tau_count]).double()
+            stats[4] += p.num_tokens
             stats[5:5 + bs] += out.slot_correct.double()
             stats[5 + bs:] += out.slot_weight.double()
         dist.all_reduce(stats, group=self.ctx.groups.drafters)
@@ -107,20 +105,19 @@ class DrafterTrainer:
         for p in payloads:
             with self.autocast():
                 r = evaluate_tau(self.drafter, self.head, p.input_ids, p.loss_mask, p.hidden,
-                                 backend=self.ctx.cfg.drafter.backend)
-            sums[0] += r["tau_sum"]
-            sums[1] += r["tau_count"]
-            sums[2:2 + bs] += r["slot_correct"].double()
-            sums[2 + bs:] += r["slot_weight"].double()
+                                 backend=self.step_kwargs["backend"], num_anchors=self.step_kwargs["num_anchors"],
+                                 chunk_blocks=self.step_kwargs["chunk_blocks"])
+            sums += torch.tensor([r["tau_sum"], r["tau_count"], *r["slot_correct"], *r["slot_weight"]],
+                                 dtype=torch.float64, device=self.device)
         self.drafter.train()
         dist.all_reduce(sums, group=self.ctx.groups.drafters)
         return _summarise(sums[0], sums[1], sums[2:2 + bs], sums[2 + bs:])
 
 
 def _summarise(tau_sum, tau_count, correct, weight) -> dict:
-    acc = (correct[1:] / weight[1:].clamp_min(1e-9)).tolist()
-    eal = 1.0 + float(torch.cumprod(torch.tensor(acc), 0).sum())
-    return {"tau": float(tau_sum / tau_count.clamp_min(1)), "acc": sum(acc) / len(acc), "acc_k": acc, "eal": eal}
+    summary = acceptance_summary(correct, weight, tau_sum, tau_count)
+    acc_k = summary.pop("acc")
+    return {**summary, "acc": sum(acc_k) / len(acc_k), "acc_k": acc_k}
 
 
 def run_drafter(ctx: Context) -> dict:

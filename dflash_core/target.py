@@ -1,0 +1,163 @@
+"""The frozen target: load it truncated after the last captured layer, capture hidden states.
+
+Captured features follow the HF `output_hidden_states` numbering: layer id i is
+`hidden_states[i + 1]`, the output of decoder layer i. Layers after the last captured one,
+the final norm and the LM head never run (nor, for the layers, even load): the drafter
+needs only the selected features. One HF subtlety is kept: `hidden_states[N_t]` (the last
+layer) is reported *after* the final norm, so the norm is kept when that layer is captured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
+
+
+class TargetError(ValueError):
+    """A target checkpoint or layer selection that cannot be used; the message says why."""
+
+
+def _check_checkpoint_dir(path: Path) -> None:
+    if not path.is_dir():
+        raise TargetError(f"target directory not found: {path}")
+    if not (path / "config.json").is_file():
+        raise TargetError(f"{path} has no config.json; expected a Hugging Face model directory")
+    if not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
+        raise TargetError(f"{path} has no weights (no *.safetensors or *.bin files)")
+
+
+def _check_layer_ids(layer_ids, num_layers: int) -> list[int]:
+    layer_ids = [int(i) for i in layer_ids]
+    if not layer_ids:
+        raise TargetError("layer_ids is empty; capture at least one target layer")
+    if len(set(layer_ids)) != len(layer_ids):
+        raise TargetError(f"layer_ids {layer_ids} contains duplicates")
+    for layer_id in layer_ids:
+        if not 0 <= layer_id < num_layers:
+            raise TargetError(f"target layer id {layer_id} is out of range: the target has {num_layers} "
+                              f"decoder layers (valid ids 0..{num_layers - 1})")
+    return layer_ids
+
+
+def _config_truncated_to(config, num_layers: int):
+    """A copy of config describing only the first num_layers decoder layers.
+
+    Decoder forwards iterate `layers[: config.num_hidden_layers]` and index `layer_types`,
+    so both must match the truncated stack.
+    """
+    truncated = copy.deepcopy(config)
+    truncated.num_hidden_layers = num_layers
+    if getattr(truncated, "layer_types", None) is not None:
+        truncated.layer_types = list(truncated.layer_types[:num_layers])
+    return truncated
+
+
+class _DropLoadReport(logging.Filter):
+    """Hides transformers' load report, which would list every skipped layer as UNEXPECTED
+    (missing weights are checked explicitly instead). A filter rather than a higher log
+    level: transformers runs extra checks when its logger level is raised."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _without_load_report():
+    logger, report_filter = logging.getLogger("transformers.modeling_utils"), _DropLoadReport()
+    logger.addFilter(report_filter)
+    try:
+        yield
+    finally:
+        logger.removeFilter(report_filter)
+
+
+class CapturingTarget:
+    """A frozen, truncated target decoder that returns the selected layers' hidden states."""
+
+    def __init__(self, decoder: nn.Module, config, layer_ids: list[int]):
+        self.decoder = decoder
+        self.config = config  # the full target's config, before truncation
+        self.layer_ids = layer_ids
+        self.num_layers = config.num_hidden_layers  # N_t of the full target
+        self.hidden_size = config.hidden_size
+        self._captured: dict[int, torch.Tensor] = {}
+        self._final_layer_id = self.num_layers - 1
+        for layer_id in layer_ids:
+            decoder.layers[layer_id].register_forward_hook(self._recorder(layer_id))
+
+    def _recorder(self, layer_id: int):
+        def record(module, args, output):
+            # Decoder layers return a tensor in recent transformers and a tuple in older ones.
+            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+        return record
+
+    @property
+    def device(self) -> torch.device:
+        return self.decoder.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.decoder.embed_tokens.weight.dtype
+
+    @property
+    def num_kept_layers(self) -> int:
+        return len(self.decoder.layers)
+
+    def capture(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, S] token ids -> [B, S, L*H] = cat(hidden_states[i + 1] for i in layer_ids).
+
+        No attention mask: batches are right-padded, so causal attention keeps real tokens
+        from ever seeing padding.
+        """
+        try:
+            with torch.inference_mode():
+                output = self.decoder(input_ids=input_ids.to(self.device), use_cache=False)
+            if self._final_layer_id in self._captured:  # HF reports the last layer after the norm
+                self._captured[self._final_layer_id] = output.last_hidden_state
+            # Concatenated outside inference mode, so the result is an ordinary tensor that the
+            # drafter's trainable layers may save for backward (inference tensors cannot be).
+            return torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
+        finally:
+            self._captured.clear()
+
+
+def load_target(path, *, layer_ids, device="cpu", dtype=torch.bfloat16,
+                attn_implementation: str | None = None) -> CapturingTarget:
+    """Load a Hugging Face causal LM (Qwen3 family or Llama-style) as a frozen feature extractor.
+
+    Only decoder layers 0..max(layer_ids) are built and loaded; the final norm is dropped
+    unless the last layer is captured, and the LM head is released after loading.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    _check_checkpoint_dir(path)
+    config = AutoConfig.from_pretrained(path)
+    if not hasattr(config, "num_hidden_layers"):
+        raise TargetError(f"{path}: config of type {config.model_type!r} has no num_hidden_layers; "
+                          f"only text decoder models (Qwen3, Llama-style) are supported")
+    layer_ids = _check_layer_ids(layer_ids, config.num_hidden_layers)
+    kept = max(layer_ids) + 1
+
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    with _without_load_report():
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, config=_config_truncated_to(config, kept), dtype=dtype, output_loading_info=True, **extra)
+    if info["missing_keys"]:
+        raise TargetError(f"{path}: the checkpoint lacks weights the model needs: {sorted(info['missing_keys'])[:8]}")
+
+    decoder = getattr(model, "model", None)
+    if not isinstance(getattr(decoder, "layers", None), nn.ModuleList):
+        raise TargetError(f"{path}: unsupported architecture {type(model).__name__}; expected decoder layers "
+                          f"at model.model.layers (Qwen3, Qwen2, Llama, Mistral)")
+    if kept < config.num_hidden_layers:
+        decoder.norm = nn.Identity()  # the truncated stack's output is a raw layer output, never normed
+    decoder.requires_grad_(False).eval().to(device)
+    return CapturingTarget(decoder, config, layer_ids)

@@ -1,0 +1,119 @@
+"""The embedded default target: a tiny random Qwen3 with a tokenizer trained on the bundled data.
+
+Everything is built locally (no model hub), deterministically from a seed, and written with
+`save_pretrained`, so the rest of the code loads it exactly like a real Qwen3 checkpoint.
+The tokenizer follows Qwen3's conventions: ChatML turns, `<|im_end|>` ends a turn (eos),
+`<|endoftext|>` pads, and the embedding table has unused rows after the tokenizer's ids so
+the first one can serve as the drafter's mask token (Qwen3 uses 151669 the same way).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .data import read_records
+
+BUNDLED_DATASET = Path(__file__).resolve().parent / "assets" / "tiny_chat.jsonl"
+
+PAD_TOKEN, CHAT_START, CHAT_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+TOKENIZER_VOCAB_SIZE = 1024  # byte-level BPE: 256 byte symbols, 3 specials, the rest merges
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+MODEL_SHAPE = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=32, intermediate_size=256, max_position_embeddings=1024)
+BUILD_MARKER = "tiny_build.json"  # written last: its presence means the directory is complete
+
+
+def first_unused_token_id(tokenizer, config) -> int:
+    """The first embedding row no token maps to: the drafter's mask token id."""
+    token_id = len(tokenizer)
+    if token_id >= config.vocab_size:
+        raise ValueError(f"the target has no unused embedding row for a mask token: the tokenizer has "
+                         f"{token_id} tokens and vocab_size is {config.vocab_size}")
+    return token_id
+
+
+def _training_texts(dataset: Path):
+    """The strings the tokenizer learns from: message contents, role names and plain texts."""
+    yield "system user assistant"
+    for _, record in read_records(dataset):
+        if record.text is not None:
+            yield record.text
+        else:
+            yield from (message["content"] for message in record.messages)
+
+
+def _train_tokenizer(dataset: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB_SIZE, special_tokens=[PAD_TOKEN, CHAT_START, CHAT_END],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(_training_texts(dataset), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token=PAD_TOKEN, eos_token=CHAT_END,
+                                   additional_special_tokens=[CHAT_START], chat_template=CHAT_TEMPLATE,
+                                   model_max_length=MODEL_SHAPE["max_position_embeddings"])
+
+
+def _random_model(tokenizer, seed: int):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    # One spare row at least, rounded up to a multiple of 64 like real checkpoints pad their tables.
+    vocab_size = (len(tokenizer) // 64 + 1) * 64
+    config = Qwen3Config(vocab_size=vocab_size, tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **MODEL_SHAPE)
+    with torch.random.fork_rng(devices=[]):  # seed the init without disturbing the caller's RNG
+        torch.manual_seed(seed)
+        return Qwen3ForCausalLM(config)
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / BUILD_MARKER).is_file()
+
+
+def build_tiny_target(out_dir, *, seed: int = 0) -> Path:
+    """Build the tiny target into out_dir (tokenizer + model), or return it if already built.
+
+    The build goes to a temporary sibling directory that is renamed into place, so a crash or
+    a concurrent build never leaves a half-written out_dir.
+    """
+    out_dir = Path(out_dir)
+    if _is_complete(out_dir):
+        return out_dir
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} exists but is not a complete tiny-target build; "
+                              f"remove it or pick another directory")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.building-"))
+    try:
+        tokenizer = _train_tokenizer(BUNDLED_DATASET)
+        tokenizer.save_pretrained(staging)
+        model = _random_model(tokenizer, seed)
+        model.save_pretrained(staging)
+        info = {"seed": seed, "tokens": len(tokenizer), "vocab_size": model.config.vocab_size,
+                "mask_token_id": first_unused_token_id(tokenizer, model.config),
+                "parameters": sum(p.numel() for p in model.parameters())}
+        (staging / BUILD_MARKER).write_text(json.dumps(info, indent=2) + "\n")
+        if out_dir.exists():
+            out_dir.rmdir()  # empty (checked above): rename cannot replace a directory
+        os.rename(staging, out_dir)
+    except OSError:
+        if _is_complete(out_dir):  # another process finished the same build first
+            return out_dir
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
