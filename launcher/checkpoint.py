@@ -34,6 +34,11 @@ def _write_file(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
 def rng_state() -> dict:
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -71,11 +76,6 @@ def save(root: Path, step: int, state: dict, keep: int) -> Path:
     return final
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
 def _complete(root: Path) -> list[Path]:
     found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / "meta.json").is_file()] if root.is_dir() else []
     return sorted(found, key=lambda p: p.name)
@@ -86,11 +86,11 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load_latest(root: Path) -> tuple[int, dict] | None:
+def load_latest(root: Path) -> tuple[Path, int, dict] | None:
     """The newest checkpoint that loads; broken ones are skipped with a warning."""
     for path in reversed(_complete(root)):
         try:
-            return load(path)
+            return (path, *load(path))
         except Exception as exc:  # a torn or corrupt file: fall back to the previous checkpoint
             log.warning("checkpoint %s is unreadable (%s: %s); trying the previous one", path, type(exc).__name__, exc)
     return None
@@ -99,7 +99,8 @@ def load_latest(root: Path) -> tuple[int, dict] | None:
 def load(path: Path) -> tuple[int, dict]:
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
-    state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+    # mmap: checking a large checkpoint does not read it all; a torn zip still fails here.
+    state = torch.load(path / "state.pt", map_location="cpu", weights_only=False, mmap=True)
     if state.get("step") != meta["step"]:
         raise ValueError(f"{path}: state step {state.get('step')} != meta step {meta['step']}")
     return meta["step"], state

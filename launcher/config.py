@@ -15,10 +15,10 @@ class ConfigError(ValueError):
     """A config value that cannot work; the message names the key and the value."""
 
 
-def compose_config(overrides: list[str]) -> DictConfig:
+def compose_config(overrides: list[str], config_name: str = "config") -> DictConfig:
     # compose() rather than @hydra.main: no per-rank output dirs, no chdir, no ${now:} per rank.
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="dflash"):
-        cfg = compose(config_name="config", overrides=overrides)
+        cfg = compose(config_name=config_name, overrides=overrides)
     OmegaConf.resolve(cfg)
     OmegaConf.set_struct(cfg, True)
     return cfg
@@ -54,3 +54,8 @@ def validate(cfg: DictConfig) -> None:
     need(cfg.channel.max_in_flight >= 1, "channel.max_in_flight", "must be >= 1")
     need(cfg.run.timeout_s > 0, "run.timeout_s", "must be > 0")
     need(cfg.run.device in ("auto", "cpu", "cuda"), "run.device", "must be auto, cpu or cuda")
+    need(cfg.target.parallel in ("replicate", "tensor"), "target.parallel", "must be replicate or tensor")
+    need(cfg.target.tp_size >= 1, "target.tp_size", "must be >= 1")
+    need(cfg.target.parallel == "tensor" or cfg.target.tp_size == 1, "target.tp_size",
+         "must be 1 with target.parallel=replicate (set target.parallel=tensor to shard the target)")
+    need(cfg.fault.kind in ("kill", "raise"), "fault.kind", "must be kill or raise")

@@ -22,7 +22,8 @@ class Context:
     comm_device: torch.device   # where channel tensors live (the GPU for NCCL, CPU for gloo)
     run_dir: Path
     schedule: Schedule
-    start_step: int
+    start_step: int             # first optimiser step this run executes
+    resume_from: Path | None    # checkpoint it restores, if any
     isolation: Isolation
 
     @property

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 
@@ -17,7 +18,9 @@ from dflash_core.objective import acceptance_summary, default_gamma, drafter_ste
 from launcher import checkpoint
 from launcher.channel import Receiver
 from launcher.context import Context
+from launcher.fault import maybe_fail
 from launcher.lr_schedule import lr_multiplier
+from launcher.rundir import SeqLog
 from launcher.setup_models import compute_dtype, drafter_config, target_dir
 
 log = logging.getLogger("dflash")
@@ -61,7 +64,7 @@ class DrafterTrainer:
     def state(self, step: int) -> dict:
         return {"step": step, "model": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "rng": checkpoint.rng_state(),
-                "drafter_config": vars(self.dcfg)}
+                "drafter_config": dataclasses.asdict(self.dcfg)}
 
     def load_state(self, state: dict) -> None:
         self.drafter.load_state_dict(state["model"])
@@ -124,10 +127,8 @@ def run_drafter(ctx: Context) -> dict:
     cfg, topo, sched = ctx.cfg, ctx.topo, ctx.schedule
     trainer = DrafterTrainer(ctx)
     ckpt_root = ctx.run_dir / "checkpoints"
-    if ctx.start_step > 0:
-        step, state = checkpoint.load(ckpt_root / f"step_{ctx.start_step:08d}")
-        trainer.load_state(state)
-        log.info("resumed from step %d", step)
+    if ctx.resume_from is not None:
+        trainer.load_state(checkpoint.load(ctx.resume_from)[1])
     drafter_index = topo.drafter_index(ctx.rank)
     receiver = Receiver(sched.items_for_drafter(drafter_index, ctx.start_step), topo.unit_leader,
                         ctx.comm_device, ctx.device)
@@ -135,12 +136,13 @@ def run_drafter(ctx: Context) -> dict:
     if trainer.is_lead:
         from launcher.metrics import MetricsSink
         sink = MetricsSink(ctx.run_dir, cfg.train.steps, ctx.start_step, cfg.run.progress)
-    seq_log = open(ctx.run_dir / "seq" / f"rank{ctx.rank}.log", "a", buffering=1)
+    seq_log = SeqLog(ctx.run_dir, ctx.rank)
     first_loss = last_loss = None
     tokens_total = 0.0
     started = time.perf_counter()
     window_start, window_tokens = started, 0.0
     for step in range(ctx.start_step, cfg.train.steps):
+        maybe_fail(cfg.fault, ctx.rank, step)
         t0 = time.perf_counter()
         payloads = [next(receiver) for _ in range(cfg.train.grad_accum)]
         t1 = time.perf_counter()
@@ -149,7 +151,7 @@ def run_drafter(ctx: Context) -> dict:
         trainer.wait_s += t1 - t0
         trainer.compute_s += t2 - t1
         for p in payloads:
-            seq_log.write(f"trained {p.item.seq} step {step}\n")
+            seq_log.write("trained", p.item)
         tokens_total += stats[4].item()
         window_tokens += stats[4].item()
         loss = (stats[0] / stats[1].clamp_min(1e-9)).item()
@@ -169,7 +171,7 @@ def run_drafter(ctx: Context) -> dict:
             evals = [next(receiver) for _ in range(sched.eval_batches)]
             result = trainer.evaluate(evals)
             for p in evals:
-                seq_log.write(f"evaluated {p.item.seq} step {step}\n")
+                seq_log.write("evaluated", p.item)
             if sink is not None:
                 sink.eval({"step": step + 1, **result})
         done = step + 1

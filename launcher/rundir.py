@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -49,6 +50,23 @@ class JsonlWriter:
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class SeqLog:
+    """One line per micro-batch a rank sent, trained or evaluated, tagged with torchrun's attempt,
+    so tests and people can check that each item was consumed exactly once."""
+
+    def __init__(self, run_dir: Path, rank: int):
+        (run_dir / "seq").mkdir(exist_ok=True)
+        self._file = open(run_dir / "seq" / f"rank{rank}.log", "a", buffering=1)
+        self._attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+    def write(self, verb: str, item) -> None:
+        self._file.write(f"{verb} {item.seq} step {item.step} kind {item.kind} drafter {item.drafter} "
+                         f"attempt {self._attempt}\n")
 
     def close(self) -> None:
         self._file.close()

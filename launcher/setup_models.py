@@ -12,6 +12,10 @@ from dflash_core.tiny import first_unused_token_id
 from launcher.config import ConfigError
 
 
+# Drafter shape keys that default to the target's (null in conf/drafter/*.yaml).
+_SHAPE_OVERRIDES = ("hidden_size", "intermediate_size", "layer_types", "sliding_window")
+
+
 def target_dir(cfg: DictConfig) -> Path:
     path = Path(cfg.target.path)
     if not path.is_dir():
@@ -32,9 +36,16 @@ def drafter_config(cfg: DictConfig) -> DrafterConfig:
     mask_token_id = cfg.drafter.mask_token_id
     if mask_token_id == "auto":
         mask_token_id = first_unused_token_id(AutoTokenizer.from_pretrained(tokenizer_dir(cfg)), hf_config)
+    for key in ("max_length", "fixed_length"):
+        length = cfg.data[key]
+        if length is not None and length > hf_config.max_position_embeddings:
+            raise ConfigError(f"data.{key}={length} exceeds the target's max_position_embeddings "
+                              f"({hf_config.max_position_embeddings})")
     ids = list(cfg.drafter.target_layer_ids) if cfg.drafter.target_layer_ids is not None else None
+    overrides = {key: (list(value) if key == "layer_types" else value)
+                 for key in _SHAPE_OVERRIDES if (value := cfg.drafter.get(key)) is not None}
     return DrafterConfig.from_target(hf_config, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
-                                     mask_token_id=int(mask_token_id), target_layer_ids=ids)
+                                     mask_token_id=int(mask_token_id), target_layer_ids=ids, **overrides)
 
 
 def compute_dtype(setting: str, device: torch.device) -> torch.dtype:

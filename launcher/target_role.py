@@ -9,7 +9,9 @@ import torch
 from dflash_core.target import load_target
 from launcher.channel import Sender
 from launcher.context import Context
+from launcher.fault import maybe_fail
 from launcher.data_setup import build_sources
+from launcher.rundir import SeqLog
 from launcher.schedule import TRAIN
 from launcher.setup_models import compute_dtype, drafter_config, target_dir
 
@@ -37,8 +39,13 @@ def run_target(ctx: Context) -> dict:
     log.info("data: %s", data_stats)
 
     start = time.perf_counter()
-    target = load_target(target_dir(cfg), layer_ids=layer_ids, device=ctx.device,
+    tensor_parallel = cfg.target.parallel == "tensor"
+    # Tensor mode loads on CPU first: shard_target moves only this rank's slices to the device.
+    target = load_target(target_dir(cfg), layer_ids=layer_ids, device="cpu" if tensor_parallel else ctx.device,
                          dtype=compute_dtype(cfg.target.dtype, ctx.device))
+    if tensor_parallel:
+        from launcher.tensor_parallel import shard_target
+        shard_target(target, ctx.groups.unit, ctx.device)
     log.info("target loaded in %.1fs: layers %s captured, width %d", time.perf_counter() - start, layer_ids,
              target.hidden_size * len(layer_ids))
 
@@ -46,9 +53,10 @@ def run_target(ctx: Context) -> dict:
     width = target.hidden_size * len(layer_ids)
     forward_s = data_s = 0.0
     tokens = items = 0
-    seq_log = open(ctx.run_dir / "seq" / f"rank{ctx.rank}.log", "a", buffering=1)
+    seq_log = SeqLog(ctx.run_dir, ctx.rank)
     started = time.perf_counter()
     for item in ctx.schedule.items_for_unit(unit, ctx.start_step):
+        maybe_fail(cfg.fault, ctx.rank, item.step)
         t0 = time.perf_counter()
         batch = (train_source if item.kind == TRAIN else eval_source).batch(item.index)
         num_tokens = int((batch.input_ids != train_source.pad_token_id).sum())
@@ -61,7 +69,7 @@ def run_target(ctx: Context) -> dict:
         t2 = time.perf_counter()
         if is_leader:
             sender.send(dst, item, batch.input_ids, batch.loss_mask, hidden)
-            seq_log.write(f"sent {item.seq} step {item.step} kind {item.kind} to {dst}\n")
+            seq_log.write("sent", item)
         data_s += t1 - t0
         forward_s += t2 - t1
         tokens += num_tokens

@@ -17,6 +17,10 @@ def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
+def restart_count() -> int:
+    return _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+
+
 def _pick_device(setting: str, local_rank: int, local_world: int):
     import torch
     want_cuda = setting == "cuda" or (setting == "auto" and torch.cuda.is_available())
@@ -36,6 +40,8 @@ def _agree_on_run_dir(cfg, rank: int, control) -> Path:
     box = [None, None]
     if rank == 0:
         try:
+            if cfg.run.dir is None and restart_count() > 0:
+                raise OSError("run.dir=None: a restarted job must find its checkpoints; pass a fixed run.dir")
             box[0] = str(prepare_run_dir(cfg.run.dir or default_run_dir()))
         except OSError as exc:
             box[1] = str(exc)
@@ -55,16 +61,25 @@ def _check_same_config(cfg, control) -> None:
                            f"(hashes {hashes}): launch every rank with the same overrides and conf/")
 
 
-def _start_step(cfg, ctx_rank: int, lead: int, run_dir: Path, control) -> int:
-    """The lead drafter picks the checkpoint to resume from; every rank starts its stream there."""
+def _resume_point(cfg, rank: int, lead: int, run_dir: Path, control) -> tuple[int, Path | None]:
+    """The lead drafter picks the checkpoint to resume from; every rank starts its stream at its step."""
     import torch.distributed as dist
     from launcher import checkpoint
-    box = [0]
-    if ctx_rank == lead and cfg.run.resume != "never":
-        found = checkpoint.load_latest(run_dir / "checkpoints")
-        box[0] = found[0] if found else 0
+    box: list = [0, None, None]
+    if rank == lead and cfg.run.resume != "never":
+        try:
+            if cfg.run.resume == "auto":
+                found = checkpoint.load_latest(run_dir / "checkpoints")
+                if found:
+                    box[:2] = found[1], str(found[0])
+            else:
+                box[:2] = checkpoint.load(Path(cfg.run.resume))[0], str(cfg.run.resume)
+        except (OSError, ValueError, RuntimeError) as exc:
+            box[2] = f"run.resume={cfg.run.resume!r}: cannot load the checkpoint: {exc}"
     dist.broadcast_object_list(box, src=lead, group=control)
-    return box[0]
+    if box[2]:
+        raise ValueError(box[2])
+    return box[0], (Path(box[1]) if box[1] else None)
 
 
 def run(overrides: list[str]) -> int:
@@ -96,7 +111,6 @@ def run(overrides: list[str]) -> int:
     _check_same_config(cfg, groups.control)
     if rank == 0:
         (run_dir / "config.yaml").write_text(config_yaml(cfg))
-        (run_dir / "seq").mkdir(exist_ok=True)
     iso = isolate(role, rank, local_world, Path(cfg.isolation.cache_root or run_dir / "compile_cache"), device,
                   cfg.isolation.recompile_limit, cfg.isolation.compile_threads)
     log.info("pid %d role %s rank %d/%d device %s backend %s threads %d compile cache %s", iso.pid, role, rank,
@@ -107,11 +121,11 @@ def run(overrides: list[str]) -> int:
         build_tiny_target(cfg.target.path, seed=cfg.run.seed)
     dist.barrier(group=groups.control)
 
+    start_step, resume_from = _resume_point(cfg, rank, topo.lead_drafter, run_dir, groups.control)
     ctx = Context(cfg, topo, rank, groups, device, device if backend == "nccl" else torch.device("cpu"),
-                  run_dir, schedule_from(cfg, topo), _start_step(cfg, rank, topo.lead_drafter, run_dir, groups.control),
-                  iso)
-    if ctx.start_step:
-        log.warning("resuming at step %d", ctx.start_step)
+                  run_dir, schedule_from(cfg, topo), start_step, resume_from, iso)
+    if resume_from:
+        log.warning("resuming at step %d from %s", start_step, resume_from)
     started = time.perf_counter()
     if role == "target":
         from launcher.target_role import run_target

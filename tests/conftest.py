@@ -1,5 +1,5 @@
 import pytest
-from fixtures_tiny import build_session_tiny_target
+from tests.fixtures_tiny import build_session_tiny_target
 
 
 @pytest.fixture(scope="session")

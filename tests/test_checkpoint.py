@@ -15,8 +15,8 @@ def test_latest_complete_checkpoint_and_pruning(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == ["step_00000020",
                                                                                          "step_00000030"]
     assert (tmp_path / "latest").read_text() == "step_00000030"
-    step, state = checkpoint.load_latest(tmp_path)
-    assert step == 30 and torch.equal(state["model"]["w"], torch.full((3,), 30.0))
+    path, step, state = checkpoint.load_latest(tmp_path)
+    assert path.name == "step_00000030" and step == 30 and torch.equal(state["model"]["w"], torch.full((3,), 30.0))
 
 
 def test_crash_mid_write_leaves_previous_loadable(tmp_path):
@@ -25,7 +25,7 @@ def test_crash_mid_write_leaves_previous_loadable(tmp_path):
     torn = tmp_path / f".tmp_step_00000020_{os.getpid() + 1}"
     torn.mkdir()
     (torn / "state.pt").write_bytes(b"\x80partial")
-    assert checkpoint.load_latest(tmp_path)[0] == 10
+    assert checkpoint.load_latest(tmp_path)[1] == 10
 
 
 def test_corrupt_checkpoint_is_skipped_with_warning(tmp_path, caplog):
@@ -33,7 +33,7 @@ def test_corrupt_checkpoint_is_skipped_with_warning(tmp_path, caplog):
     bad = checkpoint.save(tmp_path, 20, _state(20), keep=3)
     (bad / "state.pt").write_bytes(b"garbage")
     with caplog.at_level("WARNING", logger="dflash"):
-        step, _ = checkpoint.load_latest(tmp_path)
+        _, step, _ = checkpoint.load_latest(tmp_path)
     assert step == 10
     assert "step_00000020" in caplog.text and "unreadable" in caplog.text
 

@@ -1,36 +1,24 @@
 """Real multi-process torchrun jobs on CPU (gloo): the whole launcher end to end."""
 import json
-import os
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from tests.launching import seq_lines, tiny_overrides, torchrun
+
 pytestmark = pytest.mark.multiproc
-REPO = Path(__file__).resolve().parent.parent
-
-
-def torchrun(nproc: int, *overrides: str, timeout: float = 300, env=None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "launcher.train", *overrides]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
 def _seqs(run_dir: Path, verb: str) -> list[int]:
-    out = []
-    for log in (run_dir / "seq").glob("rank*.log"):
-        out += [int(line.split()[1]) for line in log.read_text().splitlines() if line.startswith(verb)]
-    return out
+    return [line["seq"] for line in seq_lines(run_dir, verb)]
 
 
 def test_t1d2_end_to_end(tmp_path, tiny_target_dir):
     run_dir = tmp_path / "run"
-    proc = torchrun(3, "topology=t1d2", f"run.dir={run_dir}", f"target.path={tiny_target_dir}", "train.steps=8",
-                    "train.eval_every=4", "run.log_every=2", f"data.cache_dir={tmp_path / 'tok'}", "run.progress=false")
+    proc = torchrun(3, "topology=t1d2", f"run.dir={run_dir}", "train.steps=8", "train.eval_every=4", "run.log_every=2",
+                    *tiny_overrides(tmp_path, tiny_target_dir))
     assert proc.returncode == 0, proc.stderr[-4000:]
     for name in ("config.yaml", "metrics.jsonl", "summary.json", "logs/target0.log", "logs/drafter1.log",
                  "logs/drafter2.log", "checkpoints/latest", "checkpoints/step_00000008/state.pt",

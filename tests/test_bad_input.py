@@ -1,0 +1,121 @@
+"""Bad input gets a clear error naming the bad value (README's table lists these cases)."""
+import json
+import shutil
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from transformers import AutoTokenizer
+
+from dflash_core.data import DataError, load_samples
+from dflash_core.frozen_head import FrozenTargetHead
+from dflash_core.target import TargetError, load_target
+from launcher.config import ConfigError, compose_config, validate
+from launcher.data_setup import build_sources
+from launcher.rundir import prepare_run_dir
+from launcher.setup_models import drafter_config, target_dir
+from launcher.topology import parse_topology
+
+
+def _cfg(tiny_target_dir, tmp_path, *overrides):
+    return compose_config([f"target.path={tiny_target_dir}", f"data.cache_dir={tmp_path / 'tok'}", *overrides])
+
+
+def test_missing_target_dir(tmp_path):
+    cfg = compose_config([f"target.path={tmp_path / 'nope'}", "target.build_tiny=false"])
+    with pytest.raises(ConfigError, match=r"target.path=.*nope.*no such directory"):
+        target_dir(cfg)
+
+
+def test_target_dir_without_weights(tmp_path, tiny_target_dir):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(tiny_target_dir / "config.json", bare)
+    with pytest.raises(TargetError, match="weights"):
+        load_target(bare, layer_ids=[0], device="cpu")
+    with pytest.raises(Exception, match="safetensors"):
+        FrozenTargetHead.from_target_dir(bare)
+
+
+def test_tokenizer_without_chat_template(tmp_path, tiny_target_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    tokenizer.chat_template = None
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"id": 1, "conversations": [{"role": "user", "content": "hi"},
+                                                            {"role": "assistant", "content": "hello there"}]}) + "\n")
+    with pytest.raises(DataError, match="no chat template"):
+        load_samples([data], tokenizer, max_length=64)
+
+
+@pytest.mark.parametrize("policy", ["fail", "skip"])
+def test_malformed_dataset_line(tmp_path, tiny_target_dir, policy):
+    good = json.dumps({"id": 1, "conversations": [{"role": "user", "content": "add 2 and 3"},
+                                                  {"role": "assistant", "content": "2 plus 3 is 5, so 5."}]})
+    data = tmp_path / "d.jsonl"
+    data.write_text(good + "\n{not json\n" + good + "\n")
+    cfg = _cfg(tiny_target_dir, tmp_path, f"data.paths=[{data}]", f"data.on_bad_line={policy}",
+               "data.eval_fraction=0")
+    if policy == "fail":
+        with pytest.raises(DataError, match=r"d\.jsonl line 2"):
+            build_sources(cfg)
+    else:
+        _, _, stats = build_sources(cfg)
+        assert stats["bad_lines_skipped"] == 1 and stats["train_samples"] == 2
+
+
+def test_empty_dataset_after_filtering(tmp_path, tiny_target_dir):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"id": 1, "conversations": [{"role": "user", "content": "hi"},
+                                                           {"role": "assistant", "content": ""}]}) + "\n")
+    with pytest.raises(DataError, match="no usable samples"):
+        build_sources(_cfg(tiny_target_dir, tmp_path, f"data.paths=[{data}]"))
+
+
+def test_missing_dataset_file(tmp_path, tiny_target_dir):
+    with pytest.raises(ConfigError, match=r"data.paths: .*missing.jsonl.* does not exist"):
+        build_sources(_cfg(tiny_target_dir, tmp_path, f"data.paths=[{tmp_path / 'missing.jsonl'}]"))
+
+
+def test_sequence_longer_than_the_model_allows(tmp_path, tiny_target_dir):
+    with pytest.raises(ConfigError, match=r"data.max_length=4096 exceeds the target's max_position_embeddings"):
+        drafter_config(_cfg(tiny_target_dir, tmp_path, "data.max_length=4096"))
+
+
+def test_fixed_length_shorter_than_a_sample(tmp_path, tiny_target_dir):
+    with pytest.raises(ValueError, match="fixed_length=64"):
+        build_sources(_cfg(tiny_target_dir, tmp_path, "data.fixed_length=64"))
+
+
+@pytest.mark.parametrize("override,key", [("drafter.block_size=1", "drafter.block_size"),
+                                          ("drafter.loss=focal", "drafter.loss"),
+                                          ("train.steps=0", "train.steps"),
+                                          ("data.on_bad_line=ignore", "data.on_bad_line")])
+def test_invalid_values_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=rf"^{key}="):
+        validate(compose_config([override]))
+
+
+def test_target_layer_ids_out_of_range(tmp_path, tiny_target_dir):
+    with pytest.raises(ValueError, match=r"7.*\[0, 4\)|out of range.*7"):
+        drafter_config(_cfg(tiny_target_dir, tmp_path, "drafter.target_layer_ids=[0,7]"))
+
+
+def test_drafter_hidden_size_mismatch(tmp_path, tiny_target_dir):
+    with pytest.raises(ValueError, match="hidden size 64 must equal the target's hidden size 128"):
+        drafter_config(_cfg(tiny_target_dir, tmp_path, "drafter.hidden_size=64"))
+
+
+def test_topology_not_fitting_world():
+    with pytest.raises(ConfigError, match=r"topology=t5d3 needs 8 processes .* WORLD_SIZE=4"):
+        parse_topology("t5d3", 4)
+
+
+def test_unwritable_run_dir(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(OSError, match=r"run.dir=.*file/run.* is not writable"):
+        prepare_run_dir(blocker / "run")
+
+
+def test_unknown_config_key():
+    with pytest.raises(ConfigCompositionException, match="train.stpes"):
+        compose_config(["train.stpes=5"])
