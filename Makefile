@@ -2,6 +2,9 @@
 PYTHON ?= python3
 GPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 RUN_DIR ?= runs/$(shell date +%Y%m%d-%H%M%S)
+# The embedded default: the tiny target and bundled chats (conf defaults), trained long enough
+# and with a learning rate fit for a 2-layer drafter to show a clear fall in loss.
+EMBEDDED ?= train.steps=600 train.eval_every=200 optim.lr=2e-3
 ARGS ?=
 
 # CPU: 1 target + 2 drafters over gloo. One GPU: target and drafter share it (gloo).
@@ -29,10 +32,13 @@ install: .installed
 
 train: install
 	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) -m launcher.train \
-	  topology=$(TOPOLOGY) run.dir=$(RUN_DIR) $(ARGS)
+	  topology=$(TOPOLOGY) run.dir=$(RUN_DIR) $(EMBEDDED) $(ARGS)
 
 test: install
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+
+bench: install
+	$(PYTHON) -m launcher.bench $(ARGS)
 
 clean:
 	rm -rf runs .cache .installed *.egg-info

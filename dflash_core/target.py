@@ -153,11 +153,27 @@ def load_target(path, *, layer_ids, device="cpu", dtype=torch.bfloat16,
     if info["missing_keys"]:
         raise TargetError(f"{path}: the checkpoint lacks weights the model needs: {sorted(info['missing_keys'])[:8]}")
 
+    return _capturing(model, config, layer_ids, device, source=str(path))
+
+
+def random_target(config, *, layer_ids, device="cpu", dtype=torch.bfloat16, seed: int = 0) -> CapturingTarget:
+    """The target's exact shapes with random weights, built on `device` without reading a checkpoint:
+    for benchmarks, whose speed does not depend on weight values."""
+    from transformers import AutoModelForCausalLM
+
+    layer_ids = _check_layer_ids(layer_ids, config.num_hidden_layers)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(_config_truncated_to(config, max(layer_ids) + 1), dtype=dtype)
+    return _capturing(model, config, layer_ids, device, source=f"random {config.model_type}")
+
+
+def _capturing(model, config, layer_ids: list[int], device, *, source: str) -> CapturingTarget:
     decoder = getattr(model, "model", None)
     if not isinstance(getattr(decoder, "layers", None), nn.ModuleList):
-        raise TargetError(f"{path}: unsupported architecture {type(model).__name__}; expected decoder layers "
+        raise TargetError(f"{source}: unsupported architecture {type(model).__name__}; expected decoder layers "
                           f"at model.model.layers (Qwen3, Qwen2, Llama, Mistral)")
-    if kept < config.num_hidden_layers:
+    if max(layer_ids) + 1 < config.num_hidden_layers:
         decoder.norm = nn.Identity()  # the truncated stack's output is a raw layer output, never normed
     decoder.requires_grad_(False).eval().to(device)
     return CapturingTarget(decoder, config, layer_ids)

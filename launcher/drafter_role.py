@@ -40,7 +40,11 @@ class DrafterTrainer:
         self.amp_dtype = compute_dtype("auto", self.device)
         torch.manual_seed(cfg.run.seed)
         self.drafter = DFlashDrafter(self.dcfg).to(self.device)
-        self.head = FrozenTargetHead.from_target_dir(target_dir(cfg), device=self.device, dtype=self.amp_dtype)
+        if cfg.target.random_weights:
+            self.head = FrozenTargetHead.random(self.dcfg.vocab_size, self.dcfg.hidden_size, seed=cfg.run.seed,
+                                                device=self.device, dtype=self.amp_dtype)
+        else:
+            self.head = FrozenTargetHead.from_target_dir(target_dir(cfg), device=self.device, dtype=self.amp_dtype)
         self.model = DistributedDataParallel(
             self.drafter, process_group=ctx.groups.drafters,
             device_ids=[self.device.index] if self.device.type == "cuda" else None)
@@ -123,6 +127,19 @@ def _summarise(tau_sum, tau_count, correct, weight) -> dict:
     return {**summary, "acc": sum(acc_k) / len(acc_k), "acc_k": acc_k}
 
 
+_LOSS_WINDOW = 10  # steps averaged for the start and end loss of the summary
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _steady_rate(progress: list[tuple[float, float]]) -> float:
+    """Tokens/s over the second half of the steps: compilation and pipeline fill stay out of it."""
+    (t0, n0), (t1, n1) = progress[len(progress) // 2], progress[-1]
+    return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+
+
 def run_drafter(ctx: Context) -> dict:
     cfg, topo, sched = ctx.cfg, ctx.topo, ctx.schedule
     trainer = DrafterTrainer(ctx)
@@ -137,7 +154,8 @@ def run_drafter(ctx: Context) -> dict:
         from launcher.metrics import MetricsSink
         sink = MetricsSink(ctx.run_dir, cfg.train.steps, ctx.start_step, cfg.run.progress)
     seq_log = SeqLog(ctx.run_dir, ctx.rank)
-    first_loss = last_loss = None
+    losses = []
+    progress = [(time.perf_counter(), 0.0)]  # (time, tokens so far) after each step
     tokens_total = 0.0
     started = time.perf_counter()
     window_start, window_tokens = started, 0.0
@@ -153,10 +171,10 @@ def run_drafter(ctx: Context) -> dict:
         for p in payloads:
             seq_log.write("trained", p.item)
         tokens_total += stats[4].item()
+        progress.append((time.perf_counter(), tokens_total))
         window_tokens += stats[4].item()
         loss = (stats[0] / stats[1].clamp_min(1e-9)).item()
-        first_loss = loss if first_loss is None else first_loss
-        last_loss = loss
+        losses.append(loss)
         if sink is not None:
             now = time.perf_counter()
             bs = trainer.dcfg.block_size
@@ -183,7 +201,7 @@ def run_drafter(ctx: Context) -> dict:
     wall = time.perf_counter() - started
     result = {"wall_s": wall, "recv_wait_s": trainer.wait_s,
               "step_s": trainer.compute_s, "items": len(receiver.received), "compiles": compile_count(),
-              "first_loss": first_loss, "last_loss": last_loss, "tokens": tokens_total,
+              "first_loss": _mean(losses[:_LOSS_WINDOW]), "last_loss": _mean(losses[-_LOSS_WINDOW:]), "tokens": tokens_total, "steady_tokens_per_s": _steady_rate(progress),
               "tokens_per_s": tokens_total / wall if wall > 0 else 0.0}
     if trainer.is_lead:
         sink.close()

@@ -19,6 +19,8 @@ def write_summary(ctx: Context, per_rank: list[dict]) -> dict:
         "tokens": lead["tokens"],
         "wall_s": wall,
         "tokens_per_s": lead["tokens"] / wall if wall > 0 else 0.0,
+        # Every drafter reports the same global token count (all-reduced); its own rate is over the late steps.
+        "steady_tokens_per_s": lead["steady_tokens_per_s"],
         "first_loss": lead["first_loss"],
         "last_loss": lead["last_loss"],
         "compiles": {s["rank"]: s["compiles"] for s in drafters},
@@ -37,9 +39,9 @@ def write_summary(ctx: Context, per_rank: list[dict]) -> dict:
                      s.get("compiles", "-")))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     table = "\n".join("  ".join(str(v).rjust(w) for v, w in zip(r, widths)) for r in rows)
-    log.info("run summary (%s)\n%s\nsteps %d  tokens %d  wall %.1fs  %.0f tokens/s  loss %.4f -> %.4f  "
+    log.info("run summary (%s)\n%s\nsteps %d  tokens %d  wall %.1fs  %.0f tokens/s (%.0f steady)  loss (mean of 10 steps) %.4f -> %.4f  "
              "idle: targets %.0f%%, drafters %.0f%%  channel %.3f GB/s\nrun dir: %s",
-             summary["topology"], table, summary["steps"], summary["tokens"], wall, summary["tokens_per_s"],
+             summary["topology"], table, summary["steps"], summary["tokens"], wall, summary["tokens_per_s"], summary["steady_tokens_per_s"],
              summary["first_loss"] or float("nan"), summary["last_loss"] or float("nan"),
              100 * summary["target_idle_fraction"], 100 * summary["drafter_idle_fraction"],
              summary["channel_gb_per_s"], ctx.run_dir)

@@ -6,7 +6,9 @@ import time
 
 import torch
 
-from dflash_core.target import load_target
+from transformers import AutoConfig
+
+from dflash_core.target import load_target, random_target
 from launcher.channel import Sender
 from launcher.context import Context
 from launcher.fault import maybe_fail
@@ -41,8 +43,13 @@ def run_target(ctx: Context) -> dict:
     start = time.perf_counter()
     tensor_parallel = cfg.target.parallel == "tensor"
     # Tensor mode loads on CPU first: shard_target moves only this rank's slices to the device.
-    target = load_target(target_dir(cfg), layer_ids=layer_ids, device="cpu" if tensor_parallel else ctx.device,
-                         dtype=compute_dtype(cfg.target.dtype, ctx.device))
+    dtype = compute_dtype(cfg.target.dtype, ctx.device)
+    load_device = "cpu" if tensor_parallel else ctx.device
+    if cfg.target.random_weights:
+        target = random_target(AutoConfig.from_pretrained(target_dir(cfg)), layer_ids=layer_ids, device=load_device,
+                               dtype=dtype, seed=cfg.run.seed)
+    else:
+        target = load_target(target_dir(cfg), layer_ids=layer_ids, device=load_device, dtype=dtype)
     if tensor_parallel:
         from launcher.tensor_parallel import shard_target
         shard_target(target, ctx.groups.unit, ctx.device)

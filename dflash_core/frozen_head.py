@@ -1,0 +1,86 @@
+"""The target's frozen embed_tokens and lm_head, the drafter's input and output vocabulary.
+
+Held as non-persistent buffers: never trained, never in gradient sync, never in the
+drafter's (or anybody's) state_dict. Only these two tensors are read from the target
+checkpoint."""
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+
+EMBED_KEY = "model.embed_tokens.weight"
+LM_HEAD_KEY = "lm_head.weight"
+
+
+def _tensor_files(target_dir):
+    """{tensor name: safetensors file} for a single-file or sharded checkpoint."""
+    index = target_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: target_dir / shard for name, shard in weight_map.items()}
+    single = target_dir / "model.safetensors"
+    if single.is_file():
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    raise FileNotFoundError(f"{target_dir} has no model.safetensors or "
+                            f"model.safetensors.index.json")
+
+
+def _read(files, name):
+    with safe_open(files[name], framework="pt") as f:
+        return f.get_tensor(name)
+
+
+class FrozenTargetHead(nn.Module):
+    def __init__(self, embed_weight, lm_head_weight):
+        super().__init__()
+        if embed_weight.shape != lm_head_weight.shape:
+            raise ValueError(f"embed_tokens {tuple(embed_weight.shape)} and lm_head "
+                             f"{tuple(lm_head_weight.shape)} shapes differ")
+        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        self.register_buffer("lm_head_weight", lm_head_weight.detach(), persistent=False)
+
+    @property
+    def vocab_size(self):
+        return self.embed_weight.shape[0]
+
+    @property
+    def hidden_size(self):
+        return self.embed_weight.shape[1]
+
+    @classmethod
+    def from_target_dir(cls, path, *, device=None, dtype=None):
+        target_dir = Path(path)
+        files = _tensor_files(target_dir)
+        if EMBED_KEY not in files:
+            raise KeyError(f"{target_dir}: no {EMBED_KEY} among {len(files)} tensors")
+        config_file = target_dir / "config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        tied = config.get("tie_word_embeddings", LM_HEAD_KEY not in files)
+        if not tied and LM_HEAD_KEY not in files:
+            raise KeyError(f"{target_dir}: no {LM_HEAD_KEY} and tie_word_embeddings is false")
+        embed = _read(files, EMBED_KEY).to(device=device, dtype=dtype)
+        lm_head = embed if tied else _read(files, LM_HEAD_KEY).to(device=device, dtype=dtype)
+        return cls(embed, lm_head)
+
+    @classmethod
+    def random(cls, vocab_size, hidden_size, *, seed=0, tied=False, device="cpu",
+               dtype=torch.float32):
+        """A random head built in memory (tests, toy targets, benchmarks)."""
+        generator = torch.Generator(device=device).manual_seed(seed)
+
+        def draw():
+            return torch.randn(vocab_size, hidden_size, generator=generator, device=device,
+                               dtype=dtype)
+        embed = draw()
+        return cls(embed, embed if tied else draw() / hidden_size ** 0.5)
+
+    def embed(self, ids):
+        return F.embedding(ids, self.embed_weight)
+
+    def logits(self, h):
+        return F.linear(h, self.lm_head_weight)

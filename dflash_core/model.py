@@ -1,0 +1,254 @@
+"""The DFlash drafter: Qwen3-style decoder layers whose queries come from a block of draft
+slots and whose keys/values come from [target context | block].
+
+Submodule names make `state_dict()` keys exactly the serving layout (see export.py):
+layers.{i}.self_attn.{q,k,v,o}_proj / {q,k}_norm, layers.{i}.mlp.{gate,up,down}_proj,
+layers.{i}.{input,post_attention}_layernorm, fc, hidden_norm, norm.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .attention import LAYER_TYPES, attend, build_attention_mask
+
+
+def default_target_layer_ids(num_target_layers, num_layers):
+    """Evenly spread target layers (HF numbering: feature i is hidden_states[i + 1]).
+    Qwen3-8B (36 layers), 5 drafter layers -> [1, 9, 17, 25, 33]."""
+    if num_layers == 1:
+        return [num_target_layers // 2]
+    return [round(1 + i * (num_target_layers - 4) / (num_layers - 1)) for i in range(num_layers)]
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    block_size: int
+    target_layer_ids: list
+    num_target_layers: int
+    mask_token_id: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    max_position_embeddings: int = 40960
+    attention_bias: bool = False
+    layer_types: list = field(default_factory=list)  # empty -> all full_attention
+    sliding_window: int | None = None
+
+    def __post_init__(self):
+        if not self.layer_types:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        self.validate()
+
+    @property
+    def num_features(self):
+        return len(self.target_layer_ids)
+
+    def validate(self):
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (slot 0 is the anchor), got {self.block_size}")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids is empty")
+        for layer_id in self.target_layer_ids:
+            if not 0 <= layer_id < self.num_target_layers:
+                raise ValueError(f"target layer id {layer_id} is outside the target's layers "
+                                 f"[0, {self.num_target_layers})")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                             f"{self.num_hidden_layers} layers")
+        for layer_type in self.layer_types:
+            if layer_type not in LAYER_TYPES:
+                raise ValueError(f"unknown layer type {layer_type!r}; expected one of {LAYER_TYPES}")
+        if "sliding_attention" in self.layer_types and not (self.sliding_window or 0) > 0:
+            raise ValueError("sliding_attention layers need a positive sliding_window")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple "
+                             f"of num_key_value_heads {self.num_key_value_heads}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+
+    @classmethod
+    def from_target(cls, hf_config, *, num_layers, block_size, mask_token_id,
+                    target_layer_ids=None, **overrides):
+        """Copy width, heads, RoPE and vocabulary from the target's HF config."""
+        num_target_layers = hf_config.num_hidden_layers
+        if target_layer_ids is None:
+            target_layer_ids = default_target_layer_ids(num_target_layers, num_layers)
+        hidden_size = overrides.pop("hidden_size", hf_config.hidden_size)
+        if hidden_size != hf_config.hidden_size:
+            raise ValueError(f"drafter hidden size {hidden_size} must equal the target's hidden "
+                             f"size {hf_config.hidden_size}")
+        fields = dict(
+            hidden_size=hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=hf_config.num_attention_heads,
+            num_key_value_heads=getattr(hf_config, "num_key_value_heads", None)
+            or hf_config.num_attention_heads,
+            head_dim=getattr(hf_config, "head_dim", None)
+            or hf_config.hidden_size // hf_config.num_attention_heads,
+            intermediate_size=hf_config.intermediate_size,
+            vocab_size=hf_config.vocab_size,
+            block_size=block_size,
+            target_layer_ids=target_layer_ids,
+            num_target_layers=num_target_layers,
+            mask_token_id=mask_token_id,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            rope_theta=_rope_theta(hf_config),
+            max_position_embeddings=hf_config.max_position_embeddings,
+            attention_bias=getattr(hf_config, "attention_bias", False),
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+
+def _rope_theta(hf_config):
+    """transformers 5 keeps rope_theta in rope_parameters; older configs have it at top level."""
+    rope_parameters = getattr(hf_config, "rope_parameters", None) or {}
+    theta = rope_parameters.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("target config has no rope_theta (neither top level nor rope_parameters)")
+    return float(theta)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # Normalise in fp32 and cast once at the end, so fp32 master weights under bf16
+        # autocast keep the activations in bf16.
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
+
+
+def rope_cos_sin(positions, head_dim, theta):
+    """cos/sin [B, 1, P, head_dim] for integer positions [B, P] (Qwen3 half-rotation layout)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device,
+                                            dtype=torch.float32) / head_dim)
+    angles = positions.float().unsqueeze(-1) * inv_freq
+    angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    first, second = x.chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def _heads(self, x, num_heads):
+        return x.view(*x.shape[:2], num_heads, self.head_dim)
+
+    def forward(self, h, ctx, q_rope, kv_rope, mask):
+        """h [B, Q, H] block states (normed), ctx [B, S, H] context -> [B, Q, H]."""
+        context_and_block = torch.cat([ctx, h], dim=1)
+        q = self.q_norm(self._heads(self.q_proj(h), self.num_heads)).transpose(1, 2)
+        k = self.k_norm(self._heads(self.k_proj(context_and_block), self.num_kv_heads)).transpose(1, 2)
+        v = self._heads(self.v_proj(context_and_block), self.num_kv_heads).transpose(1, 2)
+        q, k = apply_rope(q, *q_rope), apply_rope(k, *kv_rope)
+        out = attend(q, k, v, mask)
+        return self.o_proj(out.transpose(1, 2).flatten(2))
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.self_attn = DrafterAttention(cfg)
+        self.mlp = DrafterMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, ctx, q_rope, kv_rope, mask):
+        # The context is already normalised by hidden_norm: only the block goes through
+        # input_layernorm.
+        h = h + self.self_attn(self.input_layernorm(h), ctx, q_rope, kv_rope, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg, *, seed=None):
+        super().__init__()
+        self.config = cfg
+        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.fc = nn.Linear(cfg.num_features * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.init_weights(seed)
+
+    @torch.no_grad()
+    def init_weights(self, seed=None, std=0.02):
+        """Linear weights ~ N(0, std), biases 0, norms 1. `seed` makes it reproducible without
+        touching the global RNG (call it while the weights are on the CPU)."""
+        generator = None if seed is None else torch.Generator().manual_seed(seed)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.normal_(0.0, std, generator=generator)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+    def forward(self, context_features, block_embeds, anchors, keep, *, backend="auto"):
+        """context_features [B, S, L*H], block_embeds [B, N*Bs, H], anchors/keep [B, N]
+        -> final-normed block hidden states [B, N*Bs, H]."""
+        cfg = self.config
+        batch, context_len, _ = context_features.shape
+        if not torch.is_autocast_enabled(context_features.device.type):
+            # Without autocast, compute in the parameter dtype (features arrive in bf16).
+            context_features = context_features.to(self.fc.weight.dtype)
+            block_embeds = block_embeds.to(self.fc.weight.dtype)
+        ctx = self.hidden_norm(self.fc(context_features))
+
+        slot = torch.arange(cfg.block_size, device=anchors.device)
+        block_positions = (anchors.unsqueeze(-1) + slot).flatten(1)
+        context_positions = torch.arange(context_len, device=anchors.device).expand(batch, -1)
+        q_rope = rope_cos_sin(block_positions, cfg.head_dim, cfg.rope_theta)
+        kv_rope = rope_cos_sin(torch.cat([context_positions, block_positions], dim=1),
+                               cfg.head_dim, cfg.rope_theta)
+
+        masks = {layer_type: build_attention_mask(
+                     anchors, keep, context_len=context_len, block_size=cfg.block_size,
+                     layer_type=layer_type, window=cfg.sliding_window, backend=backend)
+                 for layer_type in dict.fromkeys(cfg.layer_types)}
+        h = block_embeds
+        for layer, layer_type in zip(self.layers, cfg.layer_types):
+            h = layer(h, ctx, q_rope, kv_rope, masks[layer_type])
+        return self.norm(h)

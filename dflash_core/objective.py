@@ -1,0 +1,186 @@
+"""One DFlash training step on a micro-batch, and the simulated acceptance evaluation.
+
+drafter_step returns the weighted cross-entropy SUM and the weight sum; the caller divides
+by the weight sum of the whole global batch (all drafter ranks, all accumulation steps), so
+the result does not depend on how the batch was split.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .anchors import all_valid_anchors, sample_anchors
+
+LOSS_TYPES = ("dflash", "dpace")
+# Decay constants of the DFlash recipe, indexed by block size.
+_KNOWN_GAMMAS = {8: 4.0, 10: 5.0, 16: 7.0}
+
+
+def default_gamma(block_size):
+    """gamma for the dflash slot decay exp(-(k-1)/gamma): 4 for Bs=8, 5 for 10, 7 for 16.
+    Other sizes: piecewise-linear through those points, extrapolated with the nearest
+    segment's slope (Bs=4 -> 2, Bs=32 -> 12.33), never below 1."""
+    sizes = sorted(_KNOWN_GAMMAS)
+    if block_size in _KNOWN_GAMMAS:
+        return _KNOWN_GAMMAS[block_size]
+    upper = next((s for s in sizes[1:] if s > block_size), sizes[-1])
+    lower = sizes[sizes.index(upper) - 1]
+    slope = (_KNOWN_GAMMAS[upper] - _KNOWN_GAMMAS[lower]) / (upper - lower)
+    return max(1.0, _KNOWN_GAMMAS[lower] + slope * (block_size - lower))
+
+
+@dataclass
+class StepOutput:
+    loss_sum: torch.Tensor      # weighted CE sum, carries the graph; not normalised
+    weight_sum: torch.Tensor    # detached sum of the loss weights
+    slot_correct: torch.Tensor  # [Bs] argmax hits over supervised positions (slot 0 stays 0)
+    slot_weight: torch.Tensor   # [Bs] supervised positions per slot
+    tau_sum: torch.Tensor       # sum over valid blocks of 1 + leading correct slots
+    tau_count: torch.Tensor     # number of valid blocks
+
+
+def block_input_ids(input_ids, anchors, block_size, mask_token_id):
+    """[B, N*Bs]: slot 0 = input_ids[a], slots 1.. = mask_token_id."""
+    ids = anchors.new_full((*anchors.shape, block_size), mask_token_id)
+    ids[..., 0] = input_ids.gather(1, anchors)
+    return ids.flatten(1)
+
+
+def block_labels(input_ids, loss_mask, anchors, keep, block_size):
+    """Slot k of a block anchored at a predicts input_ids[a + k].
+    -> labels [B, N, Bs] long, weights [B, N, Bs] float =
+       keep * (a + k < S) * (k > 0) * loss_mask[a + k]."""
+    batch, num_blocks = anchors.shape
+    seq_len = input_ids.shape[1]
+    slot = torch.arange(block_size, device=anchors.device)
+    positions = anchors.unsqueeze(-1) + slot
+    clamped = positions.clamp(max=seq_len - 1).flatten(1)
+    labels = input_ids.gather(1, clamped).view(batch, num_blocks, block_size)
+    supervised = loss_mask.gather(1, clamped).view(batch, num_blocks, block_size).bool()
+    weights = keep.unsqueeze(-1) & (positions < seq_len) & (slot > 0) & supervised
+    return labels, weights.float()
+
+
+def loss_weights(ce, weights, *, loss_type, gamma, alpha):
+    """Per-position loss weights [B, c, Bs] from the 0/1 label weights (ce is detached).
+    dflash: w * exp(-(k-1)/gamma).
+    dpace:  q' = (1-alpha) exp(-ce) + alpha, prefix = cumprod of q' over slots 1..k,
+            weight_k = w_k * sum_{j>=k} prefix_j w_j  (d E[accepted] / d log q'_k)."""
+    slot = torch.arange(weights.shape[-1], device=weights.device, dtype=weights.dtype)
+    if loss_type == "dflash":
+        return weights * torch.exp(-(slot - 1) / gamma)
+    if loss_type == "dpace":
+        q = (1 - alpha) * torch.exp(-ce) + alpha
+        q[..., 0] = 1.0  # slot 0 is given, not drafted
+        reach = torch.cumprod(q, dim=-1) * weights
+        return weights * reach.flip(-1).cumsum(-1).flip(-1)
+    raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
+
+
+def _chunk_loss(h, labels, weights, head, loss_type, gamma, alpha):
+    """h [B, c, Bs, H] -> (weighted CE sum, weight sum, argmax == label [B, c, Bs])."""
+    # One [rows, H] x [H, V] GEMM: a 4-D slice can make matmul fall back to a batched GEMM
+    # of Bs-row blocks that re-reads the whole LM head per block (~70% of an 8B-shaped step on H200).
+    logits = head.logits(h.reshape(-1, h.shape[-1])).float()
+    ce = F.cross_entropy(logits, labels.flatten(), reduction="none").view_as(weights)
+    final = loss_weights(ce.detach(), weights, loss_type=loss_type, gamma=gamma, alpha=alpha)
+    correct = (logits.argmax(-1) == labels.flatten()).view_as(labels)
+    return (final * ce).sum(), final.sum().detach(), correct
+
+
+def _run_blocks(drafter, head, input_ids, loss_mask, features, anchors, keep, *,
+                loss_type, gamma, alpha, backend, chunk_blocks):
+    """Drafter forward on the given blocks, then the loss in chunks of `chunk_blocks` blocks,
+    each under activation checkpointing so the [N*Bs, V] logits never exist at once.
+    `drafter` may be wrapped (DDP, FSDP): it is called as is, its config read from .module."""
+    cfg = getattr(drafter, "module", drafter).config
+    block_ids = block_input_ids(input_ids, anchors, cfg.block_size, cfg.mask_token_id)
+    h = drafter(features, head.embed(block_ids), anchors, keep, backend=backend)
+    h = h.view(*anchors.shape, cfg.block_size, -1)
+    labels, weights = block_labels(input_ids, loss_mask, anchors, keep, cfg.block_size)
+    gamma = default_gamma(cfg.block_size) if gamma is None else gamma
+
+    loss_sum, weight_sum, correct = 0.0, 0.0, []
+    for start in range(0, anchors.shape[1], chunk_blocks):
+        part = slice(start, start + chunk_blocks)
+        args = (h[:, part], labels[:, part], weights[:, part], head, loss_type, gamma, alpha)
+        if torch.is_grad_enabled():
+            chunk = checkpoint(_chunk_loss, *args, use_reentrant=False)
+        else:
+            chunk = _chunk_loss(*args)
+        loss_sum = loss_sum + chunk[0]
+        weight_sum = weight_sum + chunk[1]
+        correct.append(chunk[2])
+    return loss_sum, weight_sum, torch.cat(correct, dim=1), weights
+
+
+def _acceptance_counts(correct, weights, keep):
+    """-> slot_correct [Bs], slot_weight [Bs], tau_sum, tau_count (float tensors)."""
+    supervised = weights > 0
+    hit = correct & supervised
+    slot_correct = hit.sum(dim=(0, 1)).float()
+    slot_weight = supervised.sum(dim=(0, 1)).float()
+    accepted = torch.cumprod(hit[..., 1:].long(), dim=-1).sum(dim=-1)
+    tau_sum = ((1 + accepted) * keep).sum().float()
+    return slot_correct, slot_weight, tau_sum, keep.sum().float()
+
+
+def acceptance_summary(slot_correct, slot_weight, tau_sum, tau_count):
+    """Means from (possibly all-reduced) counts: tau, acc_k for k = 1..Bs-1, and
+    EAL = 1 + sum_k prod_{i<=k} acc_i."""
+    acc = (slot_correct[1:] / slot_weight[1:].clamp(min=1)).double()
+    return {
+        "tau": float(tau_sum / tau_count.clamp(min=1)),
+        "acc": acc.tolist(),
+        "eal": float(1 + torch.cumprod(acc, dim=0).sum()),
+    }
+
+
+def drafter_step(drafter, head, input_ids, loss_mask, hidden, *, num_anchors=512, generator=None,
+                 loss_type="dflash", gamma=None, alpha=0.5, backend="auto", chunk_blocks=32,
+                 feature_noise_std=0.0, fixed_anchors=None):
+    """Forward + loss for one micro-batch. input_ids/loss_mask [B, S], hidden [B, S, L*H].
+    gamma None -> default_gamma(block_size). fixed_anchors: optional (anchors, keep) used
+    instead of sampling. Feature noise draws from the global RNG of hidden's device."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
+    if fixed_anchors is None:
+        anchors, keep = sample_anchors(loss_mask, num_anchors, generator)
+    else:
+        anchors, keep = fixed_anchors
+    features = hidden
+    if feature_noise_std > 0:
+        features = hidden + feature_noise_std * torch.randn_like(hidden)
+    loss_sum, weight_sum, correct, weights = _run_blocks(
+        drafter, head, input_ids, loss_mask, features, anchors, keep, loss_type=loss_type,
+        gamma=gamma, alpha=alpha, backend=backend, chunk_blocks=chunk_blocks)
+    return StepOutput(loss_sum, torch.as_tensor(weight_sum, device=input_ids.device),
+                      *_acceptance_counts(correct, weights, keep))
+
+
+@torch.no_grad()
+def evaluate_tau(drafter, head, input_ids, loss_mask, hidden, *, backend="auto",
+                 num_anchors=512, chunk_blocks=32):
+    """Simulated acceptance with an anchor at every valid position, `num_anchors` blocks per
+    forward (use the training count to reuse the compiled shapes). Returns the summary
+    (tau, acc, eal), the dflash-weighted loss, and the raw counts for cross-rank sums."""
+    anchors, keep = all_valid_anchors(loss_mask, multiple_of=num_anchors)
+    totals = [0.0] * 6  # loss_sum, weight_sum, slot_correct, slot_weight, tau_sum, tau_count
+    for start in range(0, anchors.shape[1], num_anchors):
+        part = slice(start, start + num_anchors)
+        loss_sum, weight_sum, correct, weights = _run_blocks(
+            drafter, head, input_ids, loss_mask, hidden, anchors[:, part], keep[:, part],
+            loss_type="dflash", gamma=None, alpha=0.0, backend=backend, chunk_blocks=chunk_blocks)
+        counts = (loss_sum, weight_sum, *_acceptance_counts(correct, weights, keep[:, part]))
+        totals = [total + count for total, count in zip(totals, counts)]
+    loss_sum, weight_sum, slot_correct, slot_weight, tau_sum, tau_count = totals
+    return {
+        **acceptance_summary(slot_correct, slot_weight, tau_sum, tau_count),
+        "loss": float(loss_sum / max(float(weight_sum), 1e-12)),
+        "slot_correct": slot_correct.tolist(),
+        "slot_weight": slot_weight.tolist(),
+        "tau_sum": float(tau_sum),
+        "tau_count": float(tau_count),
+    }

@@ -1,0 +1,83 @@
+"""Compiled flex_attention on CPU (forward only) against the sdpa reference.
+
+CPU flex has no backward, and one compiled call with requires_grad inputs would make dynamo
+skip the function for the rest of this process, so everything here runs under no_grad on
+plain tensors, and the compile counter proves the flex path really compiled. The whole file
+uses ONE shape, so the process compiles flex once (~10-25 s on 2 cores).
+"""
+
+import pytest
+import torch
+
+from dflash_core import attention
+from dflash_core.model import DFlashDrafter, DrafterConfig
+
+B, S, N, BS, HIDDEN = 2, 40, 6, 4, 32
+TOLERANCE = dict(rtol=1e-5, atol=1e-5)  # fp32; measured max abs difference ~1.2e-7
+
+
+def random_inputs(seed):
+    gen = torch.Generator().manual_seed(seed)
+    features = torch.randn(B, S, 2 * HIDDEN, generator=gen)
+    embeds = torch.randn(B, N * BS, HIDDEN, generator=gen)
+    anchors = torch.randint(0, S - 1, (B, N), generator=gen).sort(dim=1).values
+    keep = torch.rand(B, N, generator=gen) > 0.25
+    keep[0, -1] = False  # at least one invalid block
+    return features, embeds, anchors, keep
+
+
+@pytest.fixture(scope="module")
+def compiles_before():
+    """Flex graphs compiled in this process before this module's first flex call."""
+    return attention.compile_count("flex_attention")
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    cfg = DrafterConfig(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, intermediate_size=48, vocab_size=50,
+                        block_size=BS, target_layer_ids=[0, 1], num_target_layers=2,
+                        mask_token_id=49)
+    return DFlashDrafter(cfg, seed=0)
+
+
+def test_auto_backend_is_sdpa_on_cpu():
+    assert attention.resolve_backend("auto", "cpu") == "sdpa"
+    assert attention.resolve_backend("auto", "cuda") == "flex"
+
+
+def test_flex_refuses_to_train_on_cpu():
+    _, _, anchors, keep = random_inputs(0)
+    mask = attention.build_attention_mask(anchors, keep, context_len=S, block_size=BS,
+                                          layer_type="full_attention", window=None, backend="flex")
+    q = torch.randn(B, 4, N * BS, 8, requires_grad=True)
+    kv = torch.randn(B, 2, S + N * BS, 8)
+    before = attention.compile_count("flex_attention")
+    with pytest.raises(RuntimeError, match="no backward on CPU"):
+        attention.attend(q, kv, kv, mask)
+    assert attention.compile_count("flex_attention") == before, "refused before compiling"
+
+
+@torch.no_grad()
+def test_compiled_flex_forward_equals_sdpa(drafter, compiles_before):
+    for seed in range(3):  # changing data, one shape: must not recompile
+        features, embeds, anchors, keep = random_inputs(seed)
+        flex = drafter(features, embeds, anchors, keep, backend="flex")
+        sdpa = drafter(features, embeds, anchors, keep, backend="sdpa")
+        torch.testing.assert_close(flex, sdpa, **TOLERANCE)
+    assert attention.compile_count("flex_attention") == compiles_before + 1
+
+
+@torch.no_grad()
+def test_flex_returns_zero_for_rows_without_keys(compiles_before):
+    _, _, anchors, keep = random_inputs(1)
+    masks = [attention.build_attention_mask(anchors, keep, context_len=S, block_size=BS,
+                                            layer_type="full_attention", window=None,
+                                            backend=backend) for backend in ("flex", "sdpa")]
+    # [B, L, heads, D] transposed, the layout the drafter passes (strides are guarded).
+    q = torch.randn(B, N * BS, 4, 8).transpose(1, 2)
+    k, v = (torch.randn(B, S + N * BS, 2, 8).transpose(1, 2) for _ in range(2))
+    flex, sdpa = (attention.attend(q, k, v, mask) for mask in masks)
+    assert torch.equal(flex[0, :, -BS:], torch.zeros_like(flex[0, :, -BS:]))
+    torch.testing.assert_close(flex, sdpa, **TOLERANCE)
+    assert attention.compile_count("flex_attention") == compiles_before + 1, "same shape"

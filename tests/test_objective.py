@@ -1,0 +1,237 @@
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dflash_core.anchors import sample_anchors
+from dflash_core.frozen_head import FrozenTargetHead
+from dflash_core.model import DFlashDrafter, DrafterConfig
+from dflash_core.objective import (block_input_ids, block_labels, default_gamma, drafter_step,
+                                   evaluate_tau, loss_weights)
+
+VOCAB, HIDDEN, BS, MASK_ID = 40, 32, 4, 39
+
+
+def tiny_drafter(seed=0):
+    cfg = DrafterConfig(hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, intermediate_size=48, vocab_size=VOCAB,
+                        block_size=BS, target_layer_ids=[0, 1], num_target_layers=2,
+                        mask_token_id=MASK_ID)
+    return DFlashDrafter(cfg, seed=seed)
+
+
+def random_batch(rows=4, seq_len=24, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, MASK_ID, (rows, seq_len), generator=gen)
+    loss_mask = (torch.rand(rows, seq_len, generator=gen) < 0.8).long()
+    hidden = torch.randn(rows, seq_len, 2 * HIDDEN, generator=gen)
+    return input_ids, loss_mask, hidden
+
+
+class OracleDrafter(nn.Module):
+    """Emits one-hot hidden states of input_ids[a + k]: with an identity lm_head every
+    correctly aligned label is an argmax hit."""
+
+    def __init__(self, config, input_ids):
+        super().__init__()
+        self.config, self.input_ids = config, input_ids
+        self.offset = nn.Parameter(torch.zeros(()))
+
+    def forward(self, features, block_embeds, anchors, keep, *, backend):
+        positions = anchors.unsqueeze(-1) + torch.arange(self.config.block_size)
+        truth = self.input_ids.gather(1, positions.clamp(max=self.input_ids.shape[1] - 1).flatten(1))
+        return 10.0 * F.one_hot(truth, VOCAB).float() + self.offset
+
+
+def identity_head():
+    return FrozenTargetHead(torch.randn(VOCAB, VOCAB), torch.eye(VOCAB))
+
+
+def test_default_gamma():
+    assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7, 5, 4)
+    assert default_gamma(4) == 2 and default_gamma(2) == 1
+    assert default_gamma(12) == pytest.approx(5 + 2 / 3)
+    assert default_gamma(32) == pytest.approx(7 + 16 / 3)
+
+
+def test_block_input_is_anchor_token_then_mask_tokens():
+    input_ids = torch.arange(10, 20).unsqueeze(0)
+    ids = block_input_ids(input_ids, torch.tensor([[2, 7]]), BS, MASK_ID)
+    assert ids.tolist() == [[12, MASK_ID, MASK_ID, MASK_ID, 17, MASK_ID, MASK_ID, MASK_ID]]
+
+
+def test_labels_slot_k_predicts_token_a_plus_k():
+    input_ids = torch.arange(100, 110).unsqueeze(0)                  # S = 10
+    loss_mask = torch.tensor([[1, 1, 1, 1, 0, 1, 1, 1, 1, 1]])
+    anchors, keep = torch.tensor([[1, 7, 0]]), torch.tensor([[True, True, False]])
+    labels, weights = block_labels(input_ids, loss_mask, anchors, keep, BS)
+    assert labels[0, 0].tolist() == [101, 102, 103, 104]
+    assert labels[0, 1, :3].tolist() == [107, 108, 109]
+    assert weights[0, 0].tolist() == [0, 1, 1, 0]    # slot 0 never; loss_mask[4] = 0
+    assert weights[0, 1].tolist() == [0, 1, 1, 0]    # 7 + 3 = 10 is past S
+    assert weights[0, 2].tolist() == [0, 0, 0, 0]    # invalid block
+
+
+def test_step_with_an_oracle_drafter_hits_every_label():
+    input_ids, loss_mask, hidden = random_batch()
+    drafter = OracleDrafter(tiny_drafter().config, input_ids)
+    anchors, keep = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(0))
+    out = drafter_step(drafter, identity_head(), input_ids, loss_mask, hidden,
+                       fixed_anchors=(anchors, keep), backend="sdpa")
+    expected_weight = torch.zeros(BS)
+    expected_tau = 0
+    for b, j in keep.nonzero().tolist():
+        a, run_open = int(anchors[b, j]), True
+        expected_tau += 1
+        for k in range(1, BS):
+            supervised = a + k < input_ids.shape[1] and bool(loss_mask[b, a + k])
+            expected_weight[k] += supervised
+            run_open = run_open and supervised
+            expected_tau += run_open
+    assert torch.equal(out.slot_weight, expected_weight)
+    assert torch.equal(out.slot_correct, expected_weight)
+    assert out.tau_sum == expected_tau and out.tau_count == keep.sum()
+
+
+def test_dflash_weights_decay_from_slot_one():
+    weights = torch.tensor([[[0.0, 1.0, 1.0, 0.0]]])
+    got = loss_weights(torch.zeros(1, 1, 4), weights, loss_type="dflash", gamma=2.0, alpha=0.5)
+    assert torch.allclose(got, torch.tensor([[[0.0, 1.0, math.exp(-0.5), 0.0]]]))
+
+
+def test_dpace_weights_are_suffix_sums_of_acceptance_prefixes():
+    ce = torch.tensor([[[5.0, 0.1, 0.7, 0.3, 2.0]]])
+    weights = torch.tensor([[[0.0, 1.0, 1.0, 1.0, 0.0]]])
+    alpha = 0.5
+    q = [(1 - alpha) * math.exp(-c) + alpha for c in ce.flatten().tolist()]
+    prefix = [math.prod(q[1:k + 1]) for k in range(5)]
+    expected = [w * sum(prefix[j] * weights.flatten()[j] for j in range(k, 5))
+                for k, w in enumerate(weights.flatten().tolist())]
+    got = loss_weights(ce, weights, loss_type="dpace", gamma=None, alpha=alpha)
+    assert torch.allclose(got.flatten(), torch.tensor(expected))
+
+
+def test_loss_chunking_does_not_change_loss_or_gradients():
+    input_ids, loss_mask, hidden = random_batch()
+    head = FrozenTargetHead.random(VOCAB, HIDDEN, seed=1)
+    anchors = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(0))
+    results = []
+    for chunk_blocks in (1, 4, 6):
+        drafter = tiny_drafter()
+        out = drafter_step(drafter, head, input_ids, loss_mask, hidden, fixed_anchors=anchors,
+                           loss_type="dpace", backend="sdpa", chunk_blocks=chunk_blocks)
+        out.loss_sum.backward()
+        results.append((out.loss_sum.detach(), [p.grad for p in drafter.parameters()]))
+    for loss, grads in results[1:]:
+        torch.testing.assert_close(loss, results[0][0])
+        for got, want in zip(grads, results[0][1]):
+            torch.testing.assert_close(got, want)
+
+
+def split_gradients(drafter, head, batch, anchors, keep, *, ranks, accum, loss_type,
+                    normalise_globally=True):
+    """Simulate `ranks` drafter ranks x `accum` micro-steps on one global batch, the way the
+    launcher does it: backward each loss_sum, all-reduce the weight sums, scale every rank's
+    gradients by world / global weight sum, then DDP-average across ranks."""
+    input_ids, loss_mask, hidden = batch
+    pieces = torch.arange(input_ids.shape[0]).chunk(ranks * accum)
+    replicas = [copy.deepcopy(drafter) for _ in range(ranks)]
+    weight_sums = [[] for _ in range(ranks)]
+    for index, rows in enumerate(pieces):
+        rank = index // accum
+        out = drafter_step(replicas[rank], head, input_ids[rows], loss_mask[rows], hidden[rows],
+                           fixed_anchors=(anchors[rows], keep[rows]), loss_type=loss_type,
+                           backend="sdpa", chunk_blocks=2)
+        if normalise_globally:
+            out.loss_sum.backward()
+        else:  # the classic bug: normalise each micro-batch by its own weights
+            (out.loss_sum / out.weight_sum / accum).backward()
+        weight_sums[rank].append(out.weight_sum)
+    global_weight_sum = sum(sum(w) for w in weight_sums)
+    grads = []
+    for params in zip(*(replica.parameters() for replica in replicas)):
+        scale = ranks / global_weight_sum if normalise_globally else 1.0
+        grads.append(sum(p.grad * scale for p in params) / ranks)
+    return grads
+
+
+@pytest.mark.parametrize("loss_type", ["dflash", "dpace"])
+def test_gradient_is_independent_of_the_rank_and_accumulation_split(loss_type):
+    batch = random_batch(rows=4, seq_len=24)
+    drafter, head = tiny_drafter(), FrozenTargetHead.random(VOCAB, HIDDEN, seed=1)
+    anchors, keep = sample_anchors(batch[1], 6, torch.Generator().manual_seed(0))
+    reference = split_gradients(drafter, head, batch, anchors, keep, ranks=1, accum=1,
+                                loss_type=loss_type)
+    for ranks, accum in [(2, 1), (1, 2), (2, 2)]:
+        got = split_gradients(drafter, head, batch, anchors, keep, ranks=ranks, accum=accum,
+                              loss_type=loss_type)
+        for g, r in zip(got, reference):
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
+    naive = split_gradients(drafter, head, batch, anchors, keep, ranks=2, accum=2,
+                            loss_type=loss_type, normalise_globally=False)
+    assert not all(torch.allclose(g, r, rtol=1e-3) for g, r in zip(naive, reference))
+
+
+@pytest.mark.skipif(dist.is_initialized(), reason="a process group already exists")
+def test_step_accepts_a_ddp_wrapped_drafter():
+    """The launcher passes DistributedDataParallel(drafter): same loss and gradients."""
+    batch = random_batch()
+    head = FrozenTargetHead.random(VOCAB, HIDDEN, seed=1)
+    anchors = sample_anchors(batch[1], 6, torch.Generator().manual_seed(0))
+    plain, wrapped = tiny_drafter(), tiny_drafter()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(wrapped)
+        outs = [drafter_step(model, head, *batch, fixed_anchors=anchors, backend="sdpa")
+                for model in (plain, ddp)]
+        for out in outs:
+            out.loss_sum.backward()
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(outs[1].loss_sum, outs[0].loss_sum)
+    for p, q in zip(plain.parameters(), wrapped.parameters()):
+        torch.testing.assert_close(q.grad, p.grad)
+
+
+def test_step_is_reproducible_with_equal_generators_and_noise_changes_it():
+    input_ids, loss_mask, hidden = random_batch()
+    drafter, head = tiny_drafter(), FrozenTargetHead.random(VOCAB, HIDDEN, seed=1)
+
+    def loss(seed, noise=0.0):
+        out = drafter_step(drafter, head, input_ids, loss_mask, hidden, num_anchors=5,
+                           generator=torch.Generator().manual_seed(seed), backend="sdpa",
+                           feature_noise_std=noise)
+        return out.loss_sum.item()
+    assert loss(0) == loss(0)
+    assert loss(0) != loss(1)
+    assert loss(0) != loss(0, noise=0.05)
+
+
+def test_evaluate_tau_of_an_oracle_is_the_supervised_run_length():
+    input_ids, loss_mask, hidden = random_batch()
+    drafter = OracleDrafter(tiny_drafter().config, input_ids)
+    result = evaluate_tau(drafter, identity_head(), input_ids, loss_mask, hidden,
+                          backend="sdpa", num_anchors=4)
+    taus = []
+    for b in range(input_ids.shape[0]):
+        for a in range(input_ids.shape[1] - 1):
+            if loss_mask[b, a] and loss_mask[b, a + 1]:
+                run = 0
+                while run + 1 < BS and a + run + 1 < input_ids.shape[1] and loss_mask[b, a + run + 1]:
+                    run += 1
+                taus.append(1 + run)
+    assert result["tau_count"] == len(taus)
+    assert result["tau"] == pytest.approx(sum(taus) / len(taus))
+    assert result["acc"] == [1.0] * (BS - 1) and result["eal"] == pytest.approx(BS)
+
+
+def test_evaluate_tau_counts_misses():
+    input_ids, loss_mask, hidden = random_batch()
+    drafter = OracleDrafter(tiny_drafter().config, torch.roll(input_ids, 1, dims=1))
+    result = evaluate_tau(drafter, identity_head(), input_ids, loss_mask, hidden,
+                          backend="sdpa", num_anchors=4)
+    assert result["tau"] < 1.5 and max(result["acc"]) < 0.5 and result["eal"] < 1.5
