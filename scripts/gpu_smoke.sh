@@ -22,4 +22,4 @@ python3 -m torch.distributed.run --standalone --nproc-per-node $NPROC -m launche
   run.dir=/tmp/gpu_fault train.steps=200 fault.rank=0 fault.step=3 fault.kind=raise run.progress=false > $OUT/fault.log 2>&1
 echo "fault run exit $? in $(( $(date +%s) - start ))s"; grep "ERROR failed" $OUT/fault.log
 echo "== GPU tests"
-python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -5
+python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_drafter_gpu.py 2>&1 | tail -5
