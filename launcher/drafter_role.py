@@ -168,6 +168,9 @@ def run_drafter(ctx: Context) -> dict:
         t2 = time.perf_counter()
         trainer.wait_s += t1 - t0
         trainer.compute_s += t2 - t1
+        if step == ctx.start_step:
+            log.info("first step took %.1fs (includes compilation); flex compiles so far: %d", t2 - t1,
+                     compile_count())
         for p in payloads:
             seq_log.write("trained", p.item)
         tokens_total += stats[4].item()
