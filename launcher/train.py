@@ -17,6 +17,14 @@ def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
+PRE_GROUP_ERROR_GRACE_S = 8
+
+
+def _process_group_exists() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
 def restart_count() -> int:
     return _env_int("TORCHELASTIC_RESTART_COUNT", 0)
 
@@ -153,6 +161,10 @@ def main() -> None:
         log.error("failed: %s: %s", type(exc).__name__, exc, exc_info=not isinstance(exc, (ValueError, OSError)))
         logging.shutdown()
         sys.stderr.flush()
+        if not _process_group_exists() and _env_int("WORLD_SIZE", 1) > 1:
+            # A config error hits every rank, but torchrun kills the others as soon as one exits:
+            # give slower ranks a moment to report it too.
+            time.sleep(PRE_GROUP_ERROR_GRACE_S)
         # os._exit: a process group may still be alive, and its teardown can block.
         os._exit(1)
     logging.shutdown()
