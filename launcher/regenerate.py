@@ -1,0 +1,351 @@
+"""Answer a dataset's prompts with the target itself: `torchrun ... -m launcher.regenerate key=value ...`.
+
+Drafters trained on the target's own answers accept more of its tokens, so the usual recipe is
+to regenerate the assistant turns of a chat set with the target before training. Every rank is
+a full target replica (HF `generate` on the untruncated model); rank r answers prompts r, r+W,
+r+2W, ... and appends its answers to its own part file; after a barrier rank 0 merges the parts
+in input order into the output JSONL (temp file, then rename). Part files survive a crash, so a
+rerun with the same settings and world size answers only what is missing.
+
+Output records: {"id", "conversations": [...the prompt's turns..., {"role": "assistant", "content"}]}.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from launcher.config import ConfigError, compose_config
+from launcher.rundir import log, setup_logging
+
+# Settings that change what gets generated: parts written under other values are not reused.
+_FINGERPRINT_KEYS = ("input", "tokenizer", "drop_last_assistant", "limit", "max_prompt_length", "max_new_tokens",
+                     "temperature", "top_p", "top_k", "seed", "chat_template_kwargs", "on_bad_line", "batch_size")
+
+
+@dataclass
+class Prompt:
+    index: int              # position among the answerable records, in input order
+    id: object
+    messages: list[dict]    # the turns the answer follows (ends with a user turn)
+    token_ids: list[int] | None = None  # the rendered prompt with the generation header
+
+
+def validate(cfg: DictConfig) -> None:
+    r = cfg.regenerate
+
+    def need(ok: bool, key: str, why: str) -> None:
+        if not ok:
+            raise ConfigError(f"regenerate.{key}={OmegaConf.select(r, key)!r}: {why}")
+
+    need(r.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
+    need(r.batch_size >= 1, "batch_size", "must be >= 1")
+    need(r.max_prompt_length >= 1, "max_prompt_length", "must be >= 1")
+    need(r.temperature >= 0, "temperature", "must be >= 0 (0 = greedy)")
+    need(0 < r.top_p <= 1, "top_p", "must be in (0, 1]")
+    need(r.top_k >= 0, "top_k", "must be >= 0 (0 = off)")
+    need(r.limit is None or r.limit >= 1, "limit", "must be null or >= 1")
+    need(r.on_bad_line in ("fail", "skip"), "on_bad_line", "must be fail or skip")
+    need(r.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda")
+    need(r.timeout_s > 0, "timeout_s", "must be > 0")
+    need(Path(r.output).suffix == ".jsonl", "output", "must be a .jsonl file")
+
+
+# ----------------------------------------------------------------------------- prompts
+def input_path(cfg: DictConfig) -> Path:
+    from dflash_core.tiny import BUNDLED_DATASET
+    path = BUNDLED_DATASET if cfg.regenerate.input == "bundled:tiny_chat" else Path(cfg.regenerate.input)
+    if not path.is_file():
+        raise ConfigError(f"regenerate.input={str(path)!r} does not exist")
+    return path
+
+
+def prompt_messages(messages, drop_last_assistant: bool) -> list[dict] | None:
+    """The turns to answer, or None when the conversation does not end with a user turn to answer.
+
+    A conversation ending with an assistant turn loses that turn (drop_last_assistant); one that
+    already ends with a user turn (a prompt-only record) is the prompt as it stands.
+    """
+    messages = list(messages)
+    if drop_last_assistant and messages and messages[-1]["role"] == "assistant":
+        messages = messages[:-1]
+    return messages if messages and messages[-1]["role"] == "user" else None
+
+
+def _raw_ids(path: Path) -> dict[str, object]:
+    """The "id" of each raw row, keyed like read_records' locations (a Record keeps no id)."""
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".jsonl":
+            with open(path, encoding="utf-8") as f:
+                rows = {f"line {n}": _json_or_none(line) for n, line in enumerate(f, start=1)}
+        elif suffix == ".json":
+            rows = {f"record {n}": row for n, row in enumerate(json.loads(path.read_text(encoding="utf-8")), start=1)}
+        else:
+            return {}
+    except (ValueError, TypeError):  # malformed: read_records reports it properly
+        return {}
+    return {location: row.get("id") for location, row in rows.items() if isinstance(row, dict)}
+
+
+def _json_or_none(line: str):
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
+
+
+def load_prompts(cfg: DictConfig) -> tuple[list[Prompt], dict]:
+    """Every answerable record of the input, in input order (identical on every rank, no tokenizing)."""
+    from dflash_core.data import read_records
+
+    r, path = cfg.regenerate, input_path(cfg)
+    stats = {"read": 0, "bad_lines_skipped": 0, "no_conversation": 0, "no_user_turn": 0}
+    ids = _raw_ids(path)
+    prompts = []
+    for ordinal, (location, record) in enumerate(read_records(path, on_bad_line=r.on_bad_line, stats=stats)):
+        if record.messages is None:  # preformatted text: no turns to tell the prompt from the answer
+            stats["no_conversation"] += 1
+            continue
+        messages = prompt_messages(record.messages, r.drop_last_assistant)
+        if messages is None:
+            stats["no_user_turn"] += 1
+            continue
+        record_id = ids.get(location)
+        prompts.append(Prompt(len(prompts), record_id if record_id is not None else f"{path.stem}-{ordinal}",
+                              messages))
+        if r.limit is not None and len(prompts) >= r.limit:
+            break
+    stats["prompts"] = len(prompts)
+    return prompts, stats
+
+
+def tokenize_prompts(cfg: DictConfig, tokenizer, prompts: list[Prompt]) -> tuple[list[Prompt], int]:
+    """Render and tokenise (only this rank's share); drops prompts over max_prompt_length."""
+    r = cfg.regenerate
+    texts = [tokenizer.apply_chat_template(p.messages, tokenize=False, add_generation_prompt=True,
+                                           **OmegaConf.to_container(r.chat_template_kwargs)) for p in prompts]
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    kept = []
+    for prompt, token_ids in zip(prompts, encoded):
+        if len(token_ids) <= r.max_prompt_length:
+            prompt.token_ids = token_ids
+            kept.append(prompt)
+    return kept, len(prompts) - len(kept)
+
+
+# ----------------------------------------------------------------------------- generation
+def stop_token_ids(tokenizer, model) -> list[int]:
+    """The tokenizer's eos, ChatML's end of turn, and whatever the model's generation config stops at."""
+    ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    configured = model.generation_config.eos_token_id
+    ids.update(configured if isinstance(configured, list) else [configured])
+    ids.discard(None)
+    ids.discard(tokenizer.unk_token_id)
+    if not ids:
+        raise ConfigError(f"the tokenizer at {tokenizer.name_or_path} defines no eos token: generation could not stop")
+    return sorted(ids)
+
+
+def generation_config(cfg: DictConfig, stop_ids: list[int], pad_id: int):
+    from transformers import GenerationConfig
+    r = cfg.regenerate
+    common = dict(max_new_tokens=r.max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad_id)
+    if r.temperature == 0:
+        return GenerationConfig(do_sample=False, **common)
+    # Every sampling knob is set, so the checkpoint's own defaults (Qwen3: top_k 20) do not leak in.
+    return GenerationConfig(do_sample=True, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, **common)
+
+
+def answer(model, tokenizer, prompts: list[Prompt], gen_config, stop_ids: list[int],
+           pad_id: int) -> list[tuple[str, bool]]:
+    """(text, finished) per prompt: one left-padded generate() call for the whole batch."""
+    import torch
+    width = max(len(p.token_ids) for p in prompts)
+    # Left padding: every row's last prompt token sits at the same position, where generation starts.
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt.token_ids):] = torch.tensor(prompt.token_ids)
+        attention_mask[row, width - len(prompt.token_ids):] = 1
+    device = model.device
+    with torch.inference_mode():
+        output = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                generation_config=gen_config)
+    results, stops = [], set(stop_ids)
+    specials = [t for t in tokenizer.all_special_tokens if t]
+    for row in output[:, width:].tolist():
+        stop = next((k for k, token in enumerate(row) if token in stops), None)
+        text = tokenizer.decode(row[:stop], skip_special_tokens=True)
+        for special in specials:  # re-tokenised, such a string would end the turn early in training
+            text = text.replace(special, "")
+        results.append((text.strip(), stop is not None))
+    return results
+
+
+# ----------------------------------------------------------------------------- part files
+def _fingerprint(cfg: DictConfig, world: int) -> str:
+    settings = {key: OmegaConf.to_container(cfg.regenerate, resolve=True)[key] for key in _FINGERPRINT_KEYS}
+    digest = hashlib.sha256()
+    with open(input_path(cfg), "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    state = json.dumps({"settings": settings, "input": digest.hexdigest(),
+                        "target": str(Path(cfg.target.path).resolve()), "world": world}, sort_keys=True, default=str)
+    return hashlib.sha256(state.encode()).hexdigest()[:16]
+
+
+def prepare_parts(cfg: DictConfig, parts: Path, world: int) -> None:
+    """Rank 0, before any rank writes: keep parts of an interrupted identical run, else start afresh."""
+    meta, fingerprint = parts / "meta.json", _fingerprint(cfg, world)
+    if parts.exists() and not (cfg.regenerate.resume and meta.is_file()
+                               and json.loads(meta.read_text()).get("fingerprint") == fingerprint):
+        shutil.rmtree(parts)
+    parts.mkdir(parents=True, exist_ok=True)
+    meta.write_text(json.dumps({"fingerprint": fingerprint}) + "\n")
+
+
+def read_part(file: Path) -> dict[int, dict]:
+    """index -> output record; a torn last line (a crash mid-write) is dropped and the file rewritten."""
+    if not file.is_file():
+        return {}
+    done, lines = {}, file.read_text(encoding="utf-8").splitlines(keepends=True)
+    for line in lines:
+        try:
+            entry = json.loads(line)
+            done[entry["index"]] = entry["record"]
+        except (ValueError, KeyError, TypeError):
+            break
+    if len(done) != len(lines):
+        file.write_text("".join(lines[:len(done)]), encoding="utf-8")
+    return done
+
+
+def merge_parts(parts: Path, world: int, num_prompts: int, output: Path) -> int:
+    """Rank 0: every answered prompt in input order, written atomically; returns the record count."""
+    records: dict[int, dict] = {}
+    for rank in range(world):
+        records.update(read_part(parts / f"rank{rank:05d}.jsonl"))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")  # same directory: the rename is atomic
+    with open(tmp, "w", encoding="utf-8") as f:
+        for index in range(num_prompts):
+            if index in records:  # absent: the answer came back empty
+                f.write(json.dumps(records[index], ensure_ascii=False) + "\n")
+    os.replace(tmp, output)
+    return sum(index in records for index in range(num_prompts))
+
+
+# ----------------------------------------------------------------------------- the job
+def _device(setting: str, local_rank: int):
+    import torch
+    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("regenerate.device='cuda' but no CUDA device is visible")
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def run(overrides: list[str]) -> int:
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    tag = f"regen{rank}"
+    setup_logging(tag, logging.INFO if rank == 0 else logging.WARNING)
+    cfg = compose_config(overrides, config_name="regenerate")
+    validate(cfg)
+    r = cfg.regenerate
+
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from launcher.setup_models import compute_dtype, target_dir
+
+    device = _device(r.device, int(os.environ.get("LOCAL_RANK", 0)))
+    # gloo for everything: the ranks exchange only a barrier and a few small objects.
+    dist.init_process_group("gloo", timeout=timedelta(seconds=r.timeout_s))
+    output = Path(r.output).resolve()
+    parts = output.with_name(output.name + ".parts")
+    if rank == 0:
+        if cfg.target.build_tiny and not Path(cfg.target.path).is_dir():
+            from dflash_core.tiny import build_tiny_target
+            log.warning("building the embedded tiny target at %s", cfg.target.path)
+            build_tiny_target(cfg.target.path)
+        prepare_parts(cfg, parts, world)
+    dist.barrier()
+
+    tokenizer = AutoTokenizer.from_pretrained(Path(r.tokenizer) if r.tokenizer else target_dir(cfg))
+    prompts, stats = load_prompts(cfg)
+    model = AutoModelForCausalLM.from_pretrained(target_dir(cfg), dtype=compute_dtype(cfg.target.dtype, device))
+    model.requires_grad_(False).eval().to(device)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    stop_ids = stop_token_ids(tokenizer, model)
+    gen_config = generation_config(cfg, stop_ids, pad_id)
+    torch.manual_seed(r.seed + rank)
+
+    part = parts / f"rank{rank:05d}.jsonl"
+    done = read_part(part)
+    mine, too_long = tokenize_prompts(cfg, tokenizer, [p for p in prompts[rank::world] if p.index not in done])
+    # Longest first: batches of similar lengths pad little, and running out of memory shows up
+    # in the first batch rather than hours in.
+    mine.sort(key=lambda p: -len(p.token_ids))
+    counts = {"answered": 0, "unfinished": 0, "empty": 0, "too_long": too_long, "resumed": len(done),
+              "new_tokens": 0}
+    started = time.perf_counter()
+    with open(part, "a", encoding="utf-8") as f:
+        for batch_no, start in enumerate(range(0, len(mine), r.batch_size)):
+            batch = mine[start:start + r.batch_size]
+            for prompt, (text, finished) in zip(batch, answer(model, tokenizer, batch, gen_config, stop_ids, pad_id)):
+                counts["unfinished"] += not finished
+                if not text:
+                    counts["empty"] += 1
+                    continue
+                counts["answered"] += 1
+                counts["new_tokens"] += len(tokenizer(text, add_special_tokens=False)["input_ids"])
+                record = {"id": prompt.id, "conversations": prompt.messages + [{"role": "assistant", "content": text}]}
+                f.write(json.dumps({"index": prompt.index, "record": record}, ensure_ascii=False) + "\n")
+            f.flush()  # a crash loses at most the batch in flight
+            if rank == 0 and (batch_no + 1) % r.log_every == 0:
+                log.info("rank 0: %d/%d prompts answered, %.1f tokens/s", start + len(batch), len(mine),
+                         counts["new_tokens"] / (time.perf_counter() - started))
+
+    counts["wall_s"] = time.perf_counter() - started
+    gathered = [None] * world
+    dist.all_gather_object(gathered, counts)  # also the barrier: every part file is complete
+    if rank == 0:
+        written = merge_parts(parts, world, len(prompts), output)
+        shutil.rmtree(parts)
+        totals = {key: sum(c[key] for c in gathered) for key in counts if key != "wall_s"}
+        log.info("wrote %d records to %s (input %s; this run %s; slowest rank %.1fs)", written, output, stats,
+                 totals, max(c["wall_s"] for c in gathered))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def main() -> None:
+    try:
+        code = run(sys.argv[1:])
+    except BaseException as exc:  # each rank reports its own failure and exits non-zero at once
+        if isinstance(exc, SystemExit) and not exc.code:
+            raise
+        log.error("failed: %s: %s", type(exc).__name__, exc, exc_info=not isinstance(exc, (ValueError, OSError)))
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(1)  # a process group may still be alive, and its teardown can block
+    logging.shutdown()
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""Speculative decoding: lossless against plain greedy decoding, exact drafter context cache,
+and `python -m launcher.evaluate` end to end on the tiny target."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from dflash_core.export import export_drafter
+from dflash_core.frozen_head import FrozenTargetHead
+from dflash_core.model import DFlashDrafter, DrafterConfig
+from dflash_core.speculative import DrafterCache, greedy_decode, speculative_generate
+from dflash_core.tiny import first_unused_token_id
+from launcher import checkpoint
+from launcher.evaluate import load_drafter
+from tests.launching import REPO
+
+BLOCK_SIZE = 8
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls: two intra-op threads only add contention when other jobs share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def drafter_config(tiny_target_dir, target):
+    mask_id = first_unused_token_id(AutoTokenizer.from_pretrained(tiny_target_dir), target.config)
+    return DrafterConfig.from_target(target.config, num_layers=2, block_size=BLOCK_SIZE, mask_token_id=mask_id,
+                                     target_layer_ids=[0, 2])
+
+
+@pytest.fixture(scope="module")
+def drafter(drafter_config):
+    return DFlashDrafter(drafter_config, seed=0).eval()
+
+
+@pytest.fixture(scope="module")
+def prompt(tiny_target_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is a drafter?"}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_random_drafter_is_lossless(target, drafter, prompt):
+    result = speculative_generate(target, drafter, prompt, max_new_tokens=24)
+    assert result.tokens == greedy_decode(target, prompt, 24)
+    assert result.tau >= 1 and sum(result.histogram) == len(result.accepted)
+    assert result.target_forwards == 1 + len(result.accepted)
+
+
+def test_stops_just_after_eos(target, drafter, prompt):
+    reference = greedy_decode(target, prompt, 24)
+    eos = reference[10]  # pretend a token the target emits ends the turn
+    expected = reference[:reference.index(eos) + 1]
+    assert greedy_decode(target, prompt, 24, eos_token_id=eos) == expected
+    assert speculative_generate(target, drafter, prompt, max_new_tokens=24, eos_token_id=[eos]).tokens == expected
+
+
+def _oracle(target, wrong_slot):
+    """A draft method returning the target's own greedy continuation, wrong from slot
+    wrong_slot(step) on (None: never wrong). It still runs the real drafter first, so the
+    context bookkeeping (one context position per committed token before the anchor) is checked."""
+    real_draft = DrafterCache.draft
+    steps = []
+
+    def draft(self, ids):
+        proposal = real_draft(self, ids)
+        truth = torch.tensor(greedy_decode(target, ids, BLOCK_SIZE - 1))
+        slot = wrong_slot(len(steps))
+        steps.append(slot)
+        if slot is not None:
+            truth[slot] = (truth[slot] + 1) % target.config.vocab_size
+        return truth.to(proposal)
+    return draft, steps
+
+
+def test_perfect_drafter_accepts_whole_blocks(monkeypatch, target, drafter, prompt):
+    draft, _ = _oracle(target, lambda step: None)
+    monkeypatch.setattr(DrafterCache, "draft", draft)
+    result = speculative_generate(target, drafter, prompt, max_new_tokens=1 + 3 * BLOCK_SIZE)
+    assert result.tokens == greedy_decode(target, prompt, 1 + 3 * BLOCK_SIZE)
+    assert result.accepted == [BLOCK_SIZE - 1] * 3 and result.tau == BLOCK_SIZE
+    assert result.histogram == [0] * (BLOCK_SIZE - 1) + [3]
+    assert result.tokens_per_forward == (1 + 3 * BLOCK_SIZE) / 4
+
+
+def test_partial_acceptance_crops_the_caches_exactly(monkeypatch, target, drafter, prompt):
+    """Every accepted count 0..Bs-2 once: the target cache crop, the bonus token and the
+    drafter context must all line up for the output to stay the greedy one."""
+    draft, steps = _oracle(target, lambda step: step % (BLOCK_SIZE - 1))
+    monkeypatch.setattr(DrafterCache, "draft", draft)
+    contexts = []
+    real_extend = DrafterCache.extend
+    monkeypatch.setattr(DrafterCache, "extend", lambda self, f: (contexts.append(f), real_extend(self, f))[1])
+    result = speculative_generate(target, drafter, prompt, max_new_tokens=40)
+    assert result.tokens == greedy_decode(target, prompt, 40)
+    assert result.accepted == steps and sorted(set(steps)) == list(range(BLOCK_SIZE - 1))
+
+    # The drafter context is exactly the target features of the committed sequence (the
+    # last step may have committed past max_new_tokens: compare the kept part).
+    committed = torch.tensor([prompt + result.tokens])
+    with torch.no_grad():
+        states = target(committed, output_hidden_states=True).hidden_states
+    features = torch.cat([states[i + 1] for i in drafter.config.target_layer_ids], dim=-1)
+    context = torch.cat(contexts, dim=1)
+    assert context.shape[1] >= committed.shape[1] - 1
+    torch.testing.assert_close(context[:, :committed.shape[1]], features, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layer_types", [["full_attention", "full_attention"],
+                                         ["sliding_attention", "full_attention"]])
+def test_cached_context_equals_the_model_forward(layer_types):
+    cfg = DrafterConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, intermediate_size=48, vocab_size=50, block_size=4, target_layer_ids=[1, 3],
+                        num_target_layers=4, mask_token_id=49, layer_types=layer_types, sliding_window=5)
+    drafter = DFlashDrafter(cfg, seed=0).eval()
+    head = FrozenTargetHead.random(50, 32, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    features = torch.randn(1, 13, 64, generator=gen)
+    block_ids = torch.tensor([[7, 49, 49, 49]])  # [anchor token, MASK x 3]
+
+    cache = DrafterCache(drafter, head)
+    with torch.no_grad():
+        for part in features.split([6, 1, 6], dim=1):  # grown in steps, as during decoding
+            cache.extend(part)
+        cached = cache.hidden(head.embed(block_ids))
+        full = drafter(features, head.embed(block_ids), torch.tensor([[13]]), torch.tensor([[True]]),
+                       backend="sdpa")
+    torch.testing.assert_close(cached, full, rtol=1e-5, atol=1e-5)
+    expected = head.logits(full[0, 1:]).argmax(-1)
+    committed = torch.cat([torch.zeros(13, dtype=torch.long), block_ids[0, :1]])  # anchor at position 13
+    assert torch.equal(cache.draft(committed), expected)
+
+
+def test_load_drafter_reads_exports_and_checkpoints(tmp_path, drafter):
+    export_drafter(drafter, tmp_path / "export", dtype=torch.float32)
+    state = {"step": 3, "model": drafter.state_dict(), "drafter_config": vars(drafter.config)}
+    ckpt = checkpoint.save(tmp_path / "checkpoints", 3, state, keep=1)
+    for path in (tmp_path / "export", ckpt):
+        loaded = load_drafter(path)
+        assert loaded.config == drafter.config
+        assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), drafter.state_dict().values()))
+    with pytest.raises(ValueError, match="evaluate.drafter"):
+        load_drafter(tmp_path)
+
+
+def test_evaluate_end_to_end(tmp_path, tiny_target_dir, drafter):
+    export_drafter(drafter, tmp_path / "export")
+    out = tmp_path / "eval.json"
+    cmd = [sys.executable, "-m", "launcher.evaluate", f"target.path={tiny_target_dir}",
+           f"evaluate.drafter={tmp_path / 'export'}", "evaluate.num_prompts=2", "evaluate.max_new_tokens=16",
+           "evaluate.device=cpu", f"evaluate.output={out}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["prompts"] == 2 and summary["lossless"] is True
+    assert 1 <= summary["tau"] <= BLOCK_SIZE
+    assert sum(summary["histogram"].values()) == summary["verify_steps"]
+    assert "mean tau" in proc.stdout and "lossless" in proc.stdout

@@ -1,0 +1,130 @@
+"""Tensor-parallel target units: plan mapping, validation, and sharded == unsharded captures.
+
+The multi-process checks run real torchrun jobs on CPU (gloo). This file is also the worker
+script of the equality test (`__main__` below), so no helper module is needed.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+LAYER_IDS = [0, 2, 3]  # 3 is the last layer: captured after the final norm, which stays replicated
+TOLERANCE = dict(rtol=1e-5, atol=1e-5)  # fp32; measured max |diff| ~2e-6 on values up to ~4
+
+
+def _inputs() -> torch.Tensor:
+    return torch.randint(0, 1000, (2, 40), generator=torch.Generator().manual_seed(0))
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+
+
+def torchrun(nproc: int, *args: str, module: str | None = "launcher.train", timeout: float = 300):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           *(["-m", module] if module else []), *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=_env())
+
+
+# ----------------------------------------------------------------------------- single process
+def test_layer_plan_from_qwen3_config():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from transformers import Qwen3Config
+
+    from launcher.tensor_parallel import layer_plan
+    plan = layer_plan(Qwen3Config())
+    assert {k for k, v in plan.items() if isinstance(v, ColwiseParallel)} == {
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"}
+    assert {k for k, v in plan.items() if isinstance(v, RowwiseParallel)} == {"self_attn.o_proj", "mlp.down_proj"}
+    assert "self_attn.q_norm" not in plan  # replicated norms are left alone at inference
+
+
+def test_layer_plan_fallback_and_unknown_style():
+    from types import SimpleNamespace
+
+    from launcher.tensor_parallel import FALLBACK_LAYER_PLAN, TensorParallelError, layer_plan
+    assert set(layer_plan(SimpleNamespace(base_model_tp_plan=None))) == set(FALLBACK_LAYER_PLAN)
+    packed = SimpleNamespace(base_model_tp_plan={"layers.*.mlp.gate_up_proj": "packed_colwise"})
+    with pytest.raises(TensorParallelError, match="packed_colwise"):
+        layer_plan(packed)
+
+
+def test_heads_must_divide():
+    from transformers import Qwen3Config
+
+    from launcher.tensor_parallel import TensorParallelError, check_divisible
+    config = Qwen3Config(num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
+    check_divisible(config, 2)
+    with pytest.raises(TensorParallelError, match="tp_size=4 .*num_key_value_heads=2"):
+        check_divisible(config, 4)
+
+
+def test_config_validation():
+    from launcher.config import ConfigError, compose_config, validate
+    validate(compose_config(["target.parallel=tensor", "target.tp_size=2"]))
+    with pytest.raises(ConfigError, match="target.parallel='pipeline'"):
+        validate(compose_config(["target.parallel=pipeline"]))
+    with pytest.raises(ConfigError, match="target.tp_size=2.*replicate"):
+        validate(compose_config(["target.tp_size=2"]))
+
+
+# ----------------------------------------------------------------------------- multi-process
+@pytest.mark.multiproc
+def test_unit_of_two_matches_unsharded_target(tmp_path, tiny_target_dir):
+    """Ranks 0-1 form a unit inside a world of 3 (rank 2 stays out of the mesh, like a drafter)."""
+    proc = torchrun(3, __file__, str(tmp_path), str(tiny_target_dir), module=None, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    from dflash_core.target import load_target
+    reference = load_target(tiny_target_dir, layer_ids=LAYER_IDS, dtype=torch.float32).capture(_inputs())
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert not (tmp_path / "rank2.pt").exists()
+    assert rank0.shape == reference.shape == (2, 40, 128 * len(LAYER_IDS))
+    torch.testing.assert_close(rank0, reference, **TOLERANCE)
+    assert torch.equal(rank0, rank1)  # the all-reduce leaves every rank of the unit the same replica
+
+
+@pytest.mark.multiproc
+def test_t2d1_tensor_parallel_trains(tmp_path, tiny_target_dir):
+    run_dir = tmp_path / "run"
+    proc = torchrun(3, "topology=t2d1", "target.parallel=tensor", "target.tp_size=2", f"run.dir={run_dir}",
+                    f"target.path={tiny_target_dir}", "train.steps=4", "run.progress=false",
+                    f"data.cache_dir={tmp_path / 'tok'}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (run_dir / "summary.json").is_file()
+    for rank in (0, 1):
+        log = (run_dir / "logs" / f"target{rank}.log").read_text()
+        assert "target sharded over unit ranks [0, 1] (tp_size 2)" in log
+    sent = {rank: [line for line in (run_dir / "seq" / f"rank{rank}.log").read_text().splitlines()
+                   if line.startswith("sent")] for rank in (0, 1)}
+    assert sent[0] and not sent[1]  # only the unit leader sends; rank 1 computed the same forwards in step
+
+
+# ----------------------------------------------------------------------------- worker
+def _worker(out_dir: str, target_dir: str) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from dflash_core.target import load_target
+    from launcher.tensor_parallel import shard_target
+    from launcher.topology import Topology, build_groups
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    groups = build_groups(Topology(num_targets=2, num_drafters=1, tp_size=2), rank, timeout_s=60)
+    if rank < 2:
+        target = load_target(target_dir, layer_ids=LAYER_IDS, dtype=torch.float32)
+        shard_target(target, groups.unit, torch.device("cpu"))
+        torch.save(target.capture(_inputs()), Path(out_dir) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(*sys.argv[1:3])
