@@ -20,7 +20,7 @@ NPROC ?= $(GPUS)
 TOPOLOGY ?= auto
 endif
 
-.PHONY: install train test bench clean
+.PHONY: install train train-node test bench clean
 
 install: .installed
 .installed: setup.cfg
@@ -33,6 +33,19 @@ install: .installed
 train: install
 	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) -m launcher.train \
 	  topology=$(TOPOLOGY) run.dir=$(RUN_DIR) $(EMBEDDED) $(ARGS)
+
+# Several nodes: run on every node with the same NNODES, MASTER (node 0's address) and RDZV_ID.
+NNODES ?= 1
+NODE_RANK ?= 0
+MASTER ?= 127.0.0.1
+PORT ?= 29500
+RDZV_ID ?= dflash
+NODE_RUN_DIR ?= runs/$(RDZV_ID)
+
+train-node: install
+	@cmd="$(PYTHON) -m torch.distributed.run --nnodes $(NNODES) --node-rank $(NODE_RANK) --nproc-per-node $(NPROC) \
+	  --rdzv-backend c10d --rdzv-endpoint $(MASTER):$(PORT) --rdzv-id $(RDZV_ID) -m launcher.train \
+	  topology=$(TOPOLOGY) run.dir=$(NODE_RUN_DIR) $(EMBEDDED) $(ARGS)"; echo "$$cmd"; eval "$$cmd"
 
 test: install
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)

@@ -179,6 +179,8 @@ def evaluate_tau(drafter, head, input_ids, loss_mask, hidden, *, backend="auto",
     return {
         **acceptance_summary(slot_correct, slot_weight, tau_sum, tau_count),
         "loss": float(loss_sum / max(float(weight_sum), 1e-12)),
+        "loss_sum": float(loss_sum),
+        "weight_sum": float(weight_sum),
         "slot_correct": slot_correct.tolist(),
         "slot_weight": slot_weight.tolist(),
         "tau_sum": float(tau_sum),

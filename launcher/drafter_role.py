@@ -20,6 +20,7 @@ from launcher.channel import Receiver
 from launcher.context import Context
 from launcher.fault import maybe_fail
 from launcher.lr_schedule import lr_multiplier
+from launcher.plots import plot_run
 from launcher.rundir import SeqLog
 from launcher.setup_models import compute_dtype, drafter_config, target_dir
 
@@ -107,18 +108,19 @@ class DrafterTrainer:
     @torch.no_grad()
     def evaluate(self, payloads) -> dict:
         bs = self.dcfg.block_size
-        sums = torch.zeros(2 + 2 * bs, dtype=torch.float64, device=self.device)
+        sums = torch.zeros(4 + 2 * bs, dtype=torch.float64, device=self.device)
         self.drafter.eval()
         for p in payloads:
             with self.autocast():
                 r = evaluate_tau(self.drafter, self.head, p.input_ids, p.loss_mask, p.hidden,
                                  backend=self.step_kwargs["backend"], num_anchors=self.step_kwargs["num_anchors"],
                                  chunk_blocks=self.step_kwargs["chunk_blocks"])
-            sums += torch.tensor([r["tau_sum"], r["tau_count"], *r["slot_correct"], *r["slot_weight"]],
-                                 dtype=torch.float64, device=self.device)
+            sums += torch.tensor([r["loss_sum"], r["weight_sum"], r["tau_sum"], r["tau_count"], *r["slot_correct"],
+                                  *r["slot_weight"]], dtype=torch.float64, device=self.device)
         self.drafter.train()
         dist.all_reduce(sums, group=self.ctx.groups.drafters)
-        return _summarise(sums[0], sums[1], sums[2:2 + bs], sums[2 + bs:])
+        return {"loss": float(sums[0] / sums[1].clamp_min(1e-9)),
+                **_summarise(sums[2], sums[3], sums[4:4 + bs], sums[4 + bs:])}
 
 
 def _summarise(tau_sum, tau_count, correct, weight) -> dict:
@@ -208,6 +210,7 @@ def run_drafter(ctx: Context) -> dict:
               "tokens_per_s": tokens_total / wall if wall > 0 else 0.0}
     if trainer.is_lead:
         sink.close()
+        log.info("curves: %s", plot_run(ctx.run_dir))
         if cfg.run.export:
             export_drafter(trainer.drafter, ctx.run_dir / "export")
             log.info("exported the drafter to %s", ctx.run_dir / "export")

@@ -20,7 +20,7 @@ def prepare_run_dir(path: str | Path) -> Path:
     path = Path(path).resolve()
     try:
         (path / "logs").mkdir(parents=True, exist_ok=True)
-        probe = path / ".write_probe"
+        probe = path / f".write_probe_{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as exc:

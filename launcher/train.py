@@ -56,7 +56,8 @@ def _agree_on_run_dir(cfg, rank: int, control) -> Path:
     dist.broadcast_object_list(box, src=0, group=control)
     if box[1] is not None:
         raise OSError(box[1])
-    return Path(box[0])
+    # Ranks on other nodes may not share rank 0's filesystem: each makes the dir where it runs.
+    return prepare_run_dir(box[0])
 
 
 def _check_same_config(cfg, control) -> None:

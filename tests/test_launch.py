@@ -25,6 +25,7 @@ def test_t1d2_end_to_end(tmp_path, tiny_target_dir):
                  "export/config.json", "export/model.safetensors"):
         assert (run_dir / name).exists(), name
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # Every micro-batch a target produced was consumed exactly once, in order, by its scheduled drafter.
     sent = _seqs(run_dir, "sent")
@@ -38,7 +39,8 @@ def test_t1d2_end_to_end(tmp_path, tiny_target_dir):
     assert len({r["pid"] for r in ranks}) == 3 and len({r["cache_dir"] for r in ranks}) == 3
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == [2, 4, 6, 8]
-    assert [r["step"] for r in records if r["kind"] == "eval"] == [4, 8]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [4, 8] and all(r["loss"] > 0 and r["tau"] >= 1 for r in evals)
 
 
 def test_topology_not_fitting_world_fails_fast_on_every_rank(tmp_path):
