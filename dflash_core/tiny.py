@@ -31,6 +31,8 @@ CHAT_TEMPLATE = (
 )
 MODEL_SHAPE = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                    head_dim=32, intermediate_size=256, max_position_embeddings=1024)
+PRETRAIN_STEPS = 300  # ~25 s on 2 CPU cores; enough for the tiny target to follow its chats
+PRETRAIN_THREADS = 2
 BUILD_MARKER = "tiny_build.json"  # written last: its presence means the directory is complete
 
 
@@ -84,7 +86,34 @@ def _is_complete(path: Path) -> bool:
     return (path / BUILD_MARKER).is_file()
 
 
-def build_tiny_target(out_dir, *, seed: int = 0) -> Path:
+def _pretrain(model, tokenizer, *, steps: int, seed: int, batch_size: int = 16, lr: float = 3e-3) -> float | None:
+    """A short language-model fit on the bundled chats, so the tiny target answers like its data
+    (a random target babbles, and nothing a drafter learns from the data would be accepted)."""
+    if steps <= 0:
+        return None
+    from .data import MicroBatchSource, load_samples
+    samples, _ = load_samples([BUNDLED_DATASET], tokenizer, max_length=256)
+    source = MicroBatchSource(samples, micro_batch_size=batch_size, seed=seed, pad_token_id=tokenizer.pad_token_id)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    # CPU kernels split reductions by thread count: fix it so a seed always builds the same bytes.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(PRETRAIN_THREADS)
+    try:
+        for step in range(steps):
+            batch = source.batch(step)
+            labels = batch.input_ids.masked_fill(batch.input_ids == tokenizer.pad_token_id, -100)
+            loss = model(input_ids=batch.input_ids, labels=labels).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    finally:
+        torch.set_num_threads(threads)
+    model.eval()
+    return float(loss.detach())
+
+
+def build_tiny_target(out_dir, *, seed: int = 0, pretrain_steps: int = PRETRAIN_STEPS) -> Path:
     """Build the tiny target into out_dir (tokenizer + model), or return it if already built.
 
     The build goes to a temporary sibling directory that is renamed into place, so a crash or
@@ -102,8 +131,10 @@ def build_tiny_target(out_dir, *, seed: int = 0) -> Path:
         tokenizer = _train_tokenizer(BUNDLED_DATASET)
         tokenizer.save_pretrained(staging)
         model = _random_model(tokenizer, seed)
+        final_loss = _pretrain(model, tokenizer, steps=pretrain_steps, seed=seed)
         model.save_pretrained(staging)
         info = {"seed": seed, "tokens": len(tokenizer), "vocab_size": model.config.vocab_size,
+                "pretrain_steps": pretrain_steps, "pretrain_final_loss": final_loss,
                 "mask_token_id": first_unused_token_id(tokenizer, model.config),
                 "parameters": sum(p.numel() for p in model.parameters())}
         (staging / BUILD_MARKER).write_text(json.dumps(info, indent=2) + "\n")

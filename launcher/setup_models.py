@@ -19,8 +19,8 @@ _SHAPE_OVERRIDES = ("hidden_size", "intermediate_size", "layer_types", "sliding_
 def target_dir(cfg: DictConfig) -> Path:
     path = Path(cfg.target.path)
     if not path.is_dir():
-        hint = " (build it with `make tiny-target`, or set target.build_tiny=true)" if not cfg.target.build_tiny else ""
-        raise ConfigError(f"target.path={str(path)!r}: no such directory{hint}")
+        raise ConfigError(f"target.path={str(path)!r}: no such directory (a local Hugging Face model directory; "
+                          f"target=tiny builds the embedded one there)")
     if not (path / "config.json").is_file():
         raise ConfigError(f"target.path={str(path)!r}: no config.json (not a Hugging Face model directory)")
     return path
