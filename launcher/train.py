@@ -108,6 +108,10 @@ def run(overrides: list[str]) -> int:
     from launcher.isolation import isolate
     from launcher.topology import build_groups
 
+    if world == local_world:
+        # One host: gloo (the control plane, and the channel on CPU) must not pick an interface
+        # by hostname lookup, which in some VMs resolves to an address the host cannot reach.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     device, backend = _pick_device(cfg.run.device, local_rank, local_world)
     if device.type == "cuda":
         torch.cuda.set_device(device)

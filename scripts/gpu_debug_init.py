@@ -30,6 +30,9 @@ def main() -> None:
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)
     timeout = timedelta(seconds=args.timeout)
+    import socket
+    say(f"hostname {socket.gethostname()} resolves to {socket.gethostbyname(socket.gethostname())}; "
+        f"GLOO_SOCKET_IFNAME={os.environ.get('GLOO_SOCKET_IFNAME')}")
     say("init_process_group(nccl)")
     dist.init_process_group("nccl", timeout=timeout, device_id=None if args.no_device_id else device)
     world = dist.get_world_size()
