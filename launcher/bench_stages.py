@@ -277,10 +277,10 @@ def _one_rank_context(cfg, device: torch.device, work: Path, isolation):
                             timeout=timeout, device_id=device if backend == "nccl" else None)
     # The order and kinds of launcher/topology.build_groups, for ranks {0} = the one drafter.
     control = dist.new_group(backend="gloo", timeout=timeout)
+    startup = dist.new_group(backend="gloo", timeout=timeout)
     drafters = dist.new_group([0], timeout=timeout)
-    drafters_cpu = dist.new_group([0], backend="gloo", timeout=timeout)
     topo = Topology(num_targets=0, num_drafters=1)   # rank 0 is the (lead) drafter
-    groups = Groups(control=control, targets=None, drafters=drafters, drafters_cpu=drafters_cpu, unit=None)
+    groups = Groups(control=control, startup=startup, targets=None, drafters=drafters, unit=None)
     return Context(cfg, topo, 0, groups, device, device if backend == "nccl" else torch.device("cpu"),
                    work / "drafter_run", schedule_from(cfg, topo), 0, None, isolation)
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from launcher.schedule import Item
 
 HEADER_LEN = 10
+HIDDEN_DTYPE = torch.bfloat16  # hidden states travel in bf16 whatever the target computes in
 _VERSION = 1
 _EOS = -1
 _DTYPES = [torch.bfloat16, torch.float16, torch.float32]

@@ -59,3 +59,6 @@ def validate(cfg: DictConfig) -> None:
     need(cfg.target.parallel == "tensor" or cfg.target.tp_size == 1, "target.tp_size",
          "must be 1 with target.parallel=replicate (set target.parallel=tensor to shard the target)")
     need(cfg.fault.kind in ("kill", "raise"), "fault.kind", "must be kill or raise")
+    need(cfg.run.warm_up in ("auto", True, False), "run.warm_up", "must be auto, true or false")
+    need(cfg.run.warm_up is not True or cfg.data.fixed_length is not None, "run.warm_up",
+         "true needs data.fixed_length (the one shape to compile for)")

@@ -16,7 +16,7 @@ from dflash_core.frozen_head import FrozenTargetHead
 from dflash_core.model import DFlashDrafter
 from dflash_core.objective import acceptance_summary, default_gamma, drafter_step, evaluate_tau
 from launcher import checkpoint
-from launcher.channel import Receiver
+from launcher.channel import HIDDEN_DTYPE, Receiver
 from launcher.context import Context
 from launcher.fault import maybe_fail
 from launcher.lr_schedule import lr_multiplier
@@ -77,8 +77,9 @@ class DrafterTrainer:
         self.scheduler.load_state_dict(state["scheduler"])
         checkpoint.set_rng_state(state["rng"])
 
-    def train_step(self, payloads) -> torch.Tensor:
-        """One optimiser step over this rank's micro-batches; returns the globally reduced stats."""
+    def train_step(self, payloads) -> tuple[torch.Tensor, float]:
+        """One optimiser step over this rank's micro-batches; returns the globally reduced stats and the
+        gradient norm before clipping."""
         bs = self.dcfg.block_size
         stats = torch.zeros(5 + 2 * bs, dtype=torch.float64, device=self.device)
         for a, p in enumerate(payloads):
@@ -105,19 +106,43 @@ class DrafterTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         return stats, float(grad_norm)
 
+    def warm_up(self, rows: int, seq_len: int, evaluates: bool) -> float:
+        """Compile the attention kernels for the run's one static shape before the stream starts,
+        so no target waits on a first-step compilation under the short run.timeout_s. Leaves
+        weights, gradients and RNG states untouched."""
+        start = time.perf_counter()
+        generator = torch.Generator(device=self.device).manual_seed(0)
+        ids = torch.randint(0, self.dcfg.mask_token_id, (rows, seq_len), generator=generator, device=self.device)
+        mask = torch.ones(rows, seq_len, dtype=torch.long, device=self.device)
+        hidden = torch.randn(rows, seq_len, self.dcfg.num_features * self.dcfg.hidden_size, generator=generator,
+                             device=self.device).to(HIDDEN_DTYPE)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            with self.model.no_sync(), self.autocast():
+                drafter_step(self.model, self.head, ids, mask, hidden, generator=generator,
+                             **self.step_kwargs).loss_sum.backward()
+            self.optimizer.zero_grad(set_to_none=True)
+            if evaluates:
+                self.evaluate_local(ids, mask, hidden)
+        return time.perf_counter() - start
+
+    @torch.no_grad()
+    def evaluate_local(self, input_ids, loss_mask, hidden) -> dict:
+        self.drafter.eval()
+        with self.autocast():
+            result = evaluate_tau(self.drafter, self.head, input_ids, loss_mask, hidden,
+                                  backend=self.step_kwargs["backend"], num_anchors=self.step_kwargs["num_anchors"],
+                                  chunk_blocks=self.step_kwargs["chunk_blocks"])
+        self.drafter.train()
+        return result
+
     @torch.no_grad()
     def evaluate(self, payloads) -> dict:
         bs = self.dcfg.block_size
         sums = torch.zeros(4 + 2 * bs, dtype=torch.float64, device=self.device)
-        self.drafter.eval()
         for p in payloads:
-            with self.autocast():
-                r = evaluate_tau(self.drafter, self.head, p.input_ids, p.loss_mask, p.hidden,
-                                 backend=self.step_kwargs["backend"], num_anchors=self.step_kwargs["num_anchors"],
-                                 chunk_blocks=self.step_kwargs["chunk_blocks"])
+            r = self.evaluate_local(p.input_ids, p.loss_mask, p.hidden)
             sums += torch.tensor([r["loss_sum"], r["weight_sum"], r["tau_sum"], r["tau_count"], *r["slot_correct"],
                                   *r["slot_weight"]], dtype=torch.float64, device=self.device)
-        self.drafter.train()
         dist.all_reduce(sums, group=self.ctx.groups.drafters)
         return {"loss": float(sums[0] / sums[1].clamp_min(1e-9)),
                 **_summarise(sums[2], sums[3], sums[4:4 + bs], sums[4 + bs:])}
@@ -148,6 +173,11 @@ def run_drafter(ctx: Context) -> dict:
     ckpt_root = ctx.run_dir / "checkpoints"
     if ctx.resume_from is not None:
         trainer.load_state(checkpoint.load(ctx.resume_from)[1])
+    if cfg.run.warm_up is True or (cfg.run.warm_up == "auto" and cfg.data.fixed_length is not None):
+        seconds = trainer.warm_up(cfg.train.micro_batch_size, cfg.data.fixed_length, sched.eval_batches > 0)
+        log.info("warm-up compiled the step for [%d, %d] in %.1fs (flex compiles: %d)",
+                 cfg.train.micro_batch_size, cfg.data.fixed_length, seconds, compile_count())
+    dist.barrier(group=ctx.groups.startup)
     drafter_index = topo.drafter_index(ctx.rank)
     receiver = Receiver(sched.items_for_drafter(drafter_index, ctx.start_step), topo.unit_leader,
                         ctx.comm_device, ctx.device)

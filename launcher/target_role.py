@@ -9,7 +9,7 @@ import torch
 from transformers import AutoConfig
 
 from dflash_core.target import load_target, random_target
-from launcher.channel import Sender
+from launcher.channel import HIDDEN_DTYPE, Sender
 from launcher.context import Context
 from launcher.fault import maybe_fail
 from launcher.data_setup import build_sources
@@ -18,7 +18,6 @@ from launcher.schedule import TRAIN
 from launcher.setup_models import compute_dtype, drafter_config, target_dir
 
 log = logging.getLogger("dflash")
-CHANNEL_DTYPE = torch.bfloat16
 
 
 def _sync(device: torch.device) -> None:
@@ -56,6 +55,9 @@ def run_target(ctx: Context) -> dict:
     log.info("target loaded in %.1fs: layers %s captured, width %d", time.perf_counter() - start, layer_ids,
              target.hidden_size * len(layer_ids))
 
+    # Drafters may still be compiling: wait for them here, under the long start-up timeout,
+    # rather than in a send bounded by run.timeout_s.
+    torch.distributed.barrier(group=ctx.groups.startup)
     sender = Sender(ctx.comm_device, cfg.channel.max_in_flight)
     width = target.hidden_size * len(layer_ids)
     forward_s = data_s = 0.0
@@ -69,9 +71,9 @@ def run_target(ctx: Context) -> dict:
         num_tokens = int((batch.input_ids != train_source.pad_token_id).sum())
         dst = topo.drafter_rank(item.drafter)
         if is_leader:
-            sender.announce(dst, item, batch.input_ids, width, CHANNEL_DTYPE, num_tokens)
+            sender.announce(dst, item, batch.input_ids, width, HIDDEN_DTYPE, num_tokens)
         t1 = time.perf_counter()
-        hidden = target.capture(batch.input_ids.to(ctx.device)).to(CHANNEL_DTYPE)
+        hidden = target.capture(batch.input_ids.to(ctx.device)).to(HIDDEN_DTYPE)
         _sync(ctx.device)
         t2 = time.perf_counter()
         if is_leader:

@@ -117,7 +117,7 @@ def run(overrides: list[str]) -> int:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.run.timeout_s),
                             device_id=device if backend == "nccl" else None)
-    groups = build_groups(topo, rank, cfg.run.timeout_s)
+    groups = build_groups(topo, rank, cfg.run.timeout_s, cfg.run.startup_timeout_s)
     run_dir = _agree_on_run_dir(cfg, rank, groups.control)
     lead = rank == topo.lead_drafter
     setup_logging(tag, logging.INFO if lead else logging.WARNING, run_dir / "logs" / f"{tag}.log")
