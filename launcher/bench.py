@@ -26,10 +26,9 @@ from pathlib import Path
 
 import torch
 
-from launcher.bench_stages import (  # noqa: F401  (re-exported: tests and notebooks import them from here)
-    H200_BF16_MATMUL_TFLOPS, QWEN3_8B_SHAPE, REPO, balance_advice, baseline_stage, drafter_stage,
-    drafter_step_flops, drafter_step_flops_breakdown, drafter_step_min_bytes, e2e_stage, matmul_ceiling,
-    progress, run_overrides, target_forward_flops, target_stage, write_bench_target, write_synthetic_data)
+from launcher.bench_stages import (
+    QWEN3_8B_SHAPE, REPO, balance_advice, baseline_stage, drafter_stage, e2e_stage, matmul_ceiling, progress,
+    run_overrides, target_stage, write_bench_target, write_synthetic_data)
 
 GPU_DEFAULTS = dict(seq="2048,4096", steps=10, warmup=3, e2e_steps=40, baseline_steps=20, anchors=512,
                     e2e_timeout=240, baseline_timeout=200)

@@ -257,7 +257,29 @@ def target_stage(hf_config, layer_ids, device, dtype, seqs, *, warmup: int, reps
         progress(f"target alone S={seq_len}: {row['ms_per_step']:.1f} ms, {row['tokens_per_s']:.0f} tokens/s, "
                  f"{row['tflops']:.1f} TFLOP/s")
     del target
+    _compare_full_forward(hf_config, device, dtype, rows, warmup=warmup, reps=reps)
     return rows
+
+
+def _compare_full_forward(hf_config, device, dtype, rows: list[dict], *, warmup: int, reps: int) -> None:
+    """Time the whole model with output_hidden_states (what capture would cost without truncation)
+    beside each truncated row, so the saving is measured, not assumed."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        full = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()
+    gen = torch.Generator().manual_seed(0)
+    for row in rows:
+        ids = torch.randint(0, min(hf_config.vocab_size, 1024), (1, row["seq_len"]), generator=gen).to(device)
+
+        def forward():
+            with torch.inference_mode():
+                full(input_ids=ids, output_hidden_states=True, use_cache=False)
+        row["full_forward_ms"] = 1e3 * statistics.median(timed_reps(forward, device, warmup=warmup, reps=reps))
+        row["notes"] += f"; full forward {row['full_forward_ms']:.1f} ms ({row['full_forward_ms'] / row['ms_per_step']:.2f}x)"
+        progress(f"full forward S={row['seq_len']}: {row['full_forward_ms']:.1f} ms")
+    del full
 
 
 # ------------------------------------------------------------------------------ row 3: drafter

