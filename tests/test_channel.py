@@ -1,0 +1,69 @@
+"""The hidden-state channel between two real gloo processes: payloads arrive intact and in order,
+and a protocol slip (wrong item, early end of stream) is a clear ChannelError, not a hang."""
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from launcher.channel import ChannelError, Receiver, Sender
+from launcher.schedule import Schedule
+
+pytestmark = pytest.mark.multiproc
+SCHEDULE = Schedule(steps=3, num_units=1, num_drafters=1, grad_accum=1, eval_every=0, eval_batches=0)
+
+
+def _payload(index: int):
+    ids = torch.arange(12).view(3, 4) + index
+    mask = (ids % 2).long()
+    # A transposed (non-contiguous) view: gloo would raise on it if the sender did not copy.
+    hidden = (torch.arange(3 * 4 * 6, dtype=torch.float32).view(6, 4, 3).transpose(0, 2) + index).to(torch.bfloat16)
+    return ids, mask, hidden
+
+
+def _worker(rank: int, store_dir: str, scenario: str) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(store_dir, "store"), 2), rank=rank,
+                            world_size=2)
+    items = list(SCHEDULE.items())
+    if rank == 0:
+        sender = Sender(torch.device("cpu"), max_in_flight=1)
+        order = {"ok": items, "wrong_order": items[1:2], "early_eos": items[:1]}[scenario]
+        for item in order:
+            ids, mask, hidden = _payload(item.index)
+            sender.announce(1, item, ids, hidden.shape[-1], hidden.dtype, num_tokens=int(mask.sum()))
+            sender.send(1, item, ids, mask, hidden)
+        if scenario != "wrong_order":
+            sender.close([1])
+        # Stay up until the receiver has its verdict: exiting would reset the connection under it.
+        peer_result = os.path.join(store_dir, "rank1.txt")
+        deadline = time.monotonic() + 60
+        while not os.path.exists(peer_result) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    else:
+        try:
+            receiver = Receiver(iter(items), lambda unit: 0, torch.device("cpu"), torch.device("cpu"))
+            for payload in receiver:
+                ids, mask, hidden = _payload(payload.item.index)
+                assert torch.equal(payload.input_ids, ids) and torch.equal(payload.loss_mask, mask)
+                assert torch.equal(payload.hidden, hidden) and payload.num_tokens == int(mask.sum())
+            receiver.close([0])
+            verdict = f"ok {receiver.received}"
+        except ChannelError as exc:
+            verdict = f"ChannelError {exc}"
+        partial = os.path.join(store_dir, "rank1.partial")
+        open(partial, "w").write(verdict)
+        os.rename(partial, os.path.join(store_dir, "rank1.txt"))
+    # Skip process-group teardown: after a protocol error a send is left unmatched on purpose.
+    os._exit(0)
+
+
+@pytest.mark.parametrize("scenario,expected", [
+    ("ok", "ok [0, 1, 2]"),
+    ("wrong_order", "ChannelError rank 0 sent item seq=1"),
+    ("early_eos", "ChannelError target rank 0 ended its stream before item seq=1"),
+])
+def test_channel_between_two_processes(tmp_path, scenario, expected):
+    mp.spawn(_worker, args=(str(tmp_path), scenario), nprocs=2, join=True)
+    assert (tmp_path / "rank1.txt").read_text().startswith(expected)
