@@ -128,11 +128,12 @@ def run(overrides: list[str]) -> int:
                   cfg.isolation.recompile_limit, cfg.isolation.compile_threads)
     log.info("pid %d role %s rank %d/%d device %s backend %s threads %d compile cache %s", iso.pid, role, rank,
              world, device, backend, iso.threads, iso.cache_dir)
-    if rank == 0 and cfg.target.build_tiny and not Path(cfg.target.path).is_dir():
+    # One builder per node (nodes need not share a filesystem); the build is atomic and idempotent.
+    if local_rank == 0 and cfg.target.build_tiny and not Path(cfg.target.path).is_dir():
         from dflash_core.tiny import build_tiny_target
         log.warning("building the embedded tiny target at %s", cfg.target.path)
         build_tiny_target(cfg.target.path, seed=cfg.run.seed)
-    dist.barrier(group=groups.control)
+    dist.barrier(group=groups.startup)
 
     start_step, resume_from = _resume_point(cfg, rank, topo.lead_drafter, run_dir, groups.control)
     ctx = Context(cfg, topo, rank, groups, device, device if backend == "nccl" else torch.device("cpu"),
