@@ -3,7 +3,7 @@
 #   bash scripts/gpu_session.sh debug train fault evaluate     (~5 min on nvidia-h200-x2)
 #   bash scripts/gpu_session.sh bench                          (~6 min)
 #   bash scripts/gpu_session.sh drafter                        (scripts/gpu_drafter_check.py, ~5 min)
-# carry: [".whl"] (hydra-core, omegaconf, antlr4 wheels; see README's device notes).
+# carry: [".whl"] (hydra-core, omegaconf, antlr4 wheels; README, Development).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
