@@ -57,8 +57,8 @@ def drafter_step_flops_breakdown(cfg, seq_len: int, anchors) -> dict:
       context   = 6 * P_kv * S * n         k,v projections of every context token in every layer
       fc        = 6 * L * H * H * S        the feature projection, per context token
 
-    Activation-checkpoint recomputation (the LM-head chunks run forward twice) is not counted: MFU
-    counts model FLOPs. fc follows the issue's 6x although its input (the target's hidden states)
+    MFU counts model FLOPs only (no recomputation; the fused head loss does none for the LM head).
+    fc follows the issue's 6x although its input (the target's hidden states)
     needs no gradient, so the step really does 4x there (the difference is ~1% at the 8B shape).
     """
     n, bs, hidden = cfg.num_hidden_layers, cfg.block_size, cfg.hidden_size
