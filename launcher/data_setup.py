@@ -15,8 +15,13 @@ from launcher.setup_models import tokenizer_dir
 _BUNDLED = {"bundled:tiny_chat": BUNDLED_DATASET}
 
 
+def resolve_dataset(entry) -> Path:
+    """A dataset path, or the name of a bundled set (`bundled:tiny_chat`)."""
+    return Path(_BUNDLED.get(str(entry), entry))
+
+
 def dataset_paths(cfg: DictConfig) -> list[Path]:
-    paths = [Path(_BUNDLED.get(str(p), p)) for p in cfg.data.paths]
+    paths = [resolve_dataset(p) for p in cfg.data.paths]
     if not paths:
         raise ConfigError("data.paths=[]: name at least one .jsonl/.json/.parquet file")
     for path in paths:

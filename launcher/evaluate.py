@@ -58,9 +58,9 @@ def load_drafter(path, *, device=None, dtype=None):
 
 
 def _data_paths(data) -> list[Path]:
-    from dflash_core.tiny import BUNDLED_DATASET
+    from launcher.data_setup import resolve_dataset
     entries = [data] if isinstance(data, str) else list(data)
-    paths = [BUNDLED_DATASET if str(p) == "bundled:tiny_chat" else Path(p) for p in entries]
+    paths = [resolve_dataset(p) for p in entries]
     for path in paths:
         if not path.is_file():
             raise ConfigError(f"evaluate.data: {str(path)!r} does not exist")
@@ -110,15 +110,12 @@ def evaluate(cfg: DictConfig) -> dict:
     from transformers.utils import logging as hf_logging
 
     from dflash_core.speculative import greedy_decode, speculative_generate
-    from launcher.setup_models import compute_dtype, target_dir
+    from launcher.setup_models import compute_dtype, ensure_embedded_target, target_dir
 
     ev = cfg.evaluate
     device = _device(ev.device)
     dtype = compute_dtype(cfg.target.dtype, device)
-    if cfg.target.build_tiny and not Path(cfg.target.path).is_dir():
-        from dflash_core.tiny import build_tiny_target
-        print(f"building the embedded tiny target at {cfg.target.path}", file=sys.stderr)
-        build_tiny_target(cfg.target.path, seed=ev.seed)
+    ensure_embedded_target(cfg, ev.seed)
     path = target_dir(cfg)
     hf_logging.disable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(path)

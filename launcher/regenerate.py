@@ -62,8 +62,8 @@ def validate(cfg: DictConfig) -> None:
 
 # ----------------------------------------------------------------------------- prompts
 def input_path(cfg: DictConfig) -> Path:
-    from dflash_core.tiny import BUNDLED_DATASET
-    path = BUNDLED_DATASET if cfg.regenerate.input == "bundled:tiny_chat" else Path(cfg.regenerate.input)
+    from launcher.data_setup import resolve_dataset
+    path = resolve_dataset(cfg.regenerate.input)
     if not path.is_file():
         raise ConfigError(f"regenerate.input={str(path)!r} does not exist")
     return path
@@ -269,7 +269,7 @@ def run(overrides: list[str]) -> int:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from launcher.setup_models import compute_dtype, target_dir
+    from launcher.setup_models import compute_dtype, ensure_embedded_target, target_dir
 
     device = _device(r.device, int(os.environ.get("LOCAL_RANK", 0)))
     # gloo for everything: the ranks exchange only a barrier and a few small objects.
@@ -277,10 +277,7 @@ def run(overrides: list[str]) -> int:
     output = Path(r.output).resolve()
     parts = output.with_name(output.name + ".parts")
     if rank == 0:
-        if cfg.target.build_tiny and not Path(cfg.target.path).is_dir():
-            from dflash_core.tiny import build_tiny_target
-            log.warning("building the embedded tiny target at %s", cfg.target.path)
-            build_tiny_target(cfg.target.path)
+        ensure_embedded_target(cfg, seed=0)
         prepare_parts(cfg, parts, world)
     dist.barrier()
 

@@ -1,6 +1,7 @@
 """Resolve what both roles must agree on from the target checkpoint: layer ids, mask token, widths."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -14,6 +15,14 @@ from launcher.config import ConfigError
 
 # Drafter shape keys that default to the target's (null in conf/drafter/*.yaml).
 _SHAPE_OVERRIDES = ("hidden_size", "intermediate_size", "layer_types", "sliding_window")
+
+
+def ensure_embedded_target(cfg: DictConfig, seed: int) -> None:
+    """Build the embedded tiny target at target.path when the config asks for it and it is missing."""
+    if cfg.target.build_tiny and not Path(cfg.target.path).is_dir():
+        from dflash_core.tiny import build_tiny_target
+        logging.getLogger("dflash").warning("building the embedded tiny target at %s", cfg.target.path)
+        build_tiny_target(cfg.target.path, seed=seed)
 
 
 def target_dir(cfg: DictConfig) -> Path:

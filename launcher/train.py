@@ -106,6 +106,7 @@ def run(overrides: list[str]) -> int:
     import torch.distributed as dist
     from launcher.context import Context, schedule_from
     from launcher.isolation import isolate
+    from launcher.setup_models import ensure_embedded_target
     from launcher.topology import build_groups
 
     if world == local_world:
@@ -129,10 +130,8 @@ def run(overrides: list[str]) -> int:
     log.info("pid %d role %s rank %d/%d device %s backend %s threads %d compile cache %s", iso.pid, role, rank,
              world, device, backend, iso.threads, iso.cache_dir)
     # One builder per node (nodes need not share a filesystem); the build is atomic and idempotent.
-    if local_rank == 0 and cfg.target.build_tiny and not Path(cfg.target.path).is_dir():
-        from dflash_core.tiny import build_tiny_target
-        log.warning("building the embedded tiny target at %s", cfg.target.path)
-        build_tiny_target(cfg.target.path, seed=cfg.run.seed)
+    if local_rank == 0:
+        ensure_embedded_target(cfg, cfg.run.seed)
     dist.barrier(group=groups.startup)
 
     start_step, resume_from = _resume_point(cfg, rank, topo.lead_drafter, run_dir, groups.control)
