@@ -4,11 +4,13 @@ GPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 RUN_DIR ?= runs/$(shell date +%Y%m%d-%H%M%S)
 # The embedded default: the tiny target and bundled chats (conf defaults), trained long enough
 # and with a learning rate fit for a 2-layer drafter to show a clear fall in loss.
-EMBEDDED ?= train.steps=600 train.eval_every=200 optim.lr=2e-3
+EMBEDDED ?= train.steps=600 train.eval_every=200 optim.lr=2e-3 $(GPU_SHAPE)
 ARGS ?=
 
 # CPU: 1 target + 2 drafters over gloo. One GPU: target and drafter share it (gloo).
 # Several GPUs: one process per GPU over NCCL, 1 target and the rest drafters.
+# On GPUs one static length: the drafters compile flex once, before the stream starts.
+GPU_SHAPE := $(if $(filter 0,$(GPUS)),,data.fixed_length=256)
 ifeq ($(GPUS),0)
 NPROC ?= 3
 TOPOLOGY ?= t1d2
