@@ -190,7 +190,7 @@ def run_drafter(ctx: Context) -> dict:
     progress = [(time.perf_counter(), 0.0)]  # (time, tokens so far) after each step
     tokens_total = 0.0
     started = time.perf_counter()
-    window_start, window_tokens = started, 0.0
+    window_start, window_tokens, window_wait = started, 0.0, 0.0
     for step in range(ctx.start_step, cfg.train.steps):
         maybe_fail(cfg.fault, ctx.rank, step)
         t0 = time.perf_counter()
@@ -200,6 +200,7 @@ def run_drafter(ctx: Context) -> dict:
         t2 = time.perf_counter()
         trainer.wait_s += t1 - t0
         trainer.compute_s += t2 - t1
+        window_wait += t1 - t0
         if step == ctx.start_step:
             log.info("first step took %.1fs (includes compilation); flex compiles so far: %d", t2 - t1,
                      compile_count())
@@ -215,11 +216,12 @@ def run_drafter(ctx: Context) -> dict:
             bs = trainer.dcfg.block_size
             record = {"step": step + 1, "loss": loss, "lr": trainer.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                       "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
+                      "idle_fraction": window_wait / max(now - window_start, 1e-9),
                       **_summarise(stats[2], stats[3], stats[5:5 + bs], stats[5 + bs:])}
             write = (step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.train.steps
             sink.step(record, write)
             if write:
-                window_start, window_tokens = now, 0.0
+                window_start, window_tokens, window_wait = now, 0.0, 0.0
         if sched.evaluates_after(step):
             evals = [next(receiver) for _ in range(sched.eval_batches)]
             result = trainer.evaluate(evals)

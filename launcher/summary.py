@@ -31,6 +31,7 @@ def write_summary(ctx: Context, per_rank: list[dict]) -> dict:
         "ranks": per_rank,
     }
     (ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    _to_tensorboard(ctx.run_dir, summary, targets)
     rows = [("rank", "role", "items", "busy s", "waiting s", "wall s", "compiles")]
     for s in sorted(per_rank, key=lambda s: s["rank"]):
         busy = s.get("forward_s", s.get("step_s", 0.0))
@@ -46,6 +47,17 @@ def write_summary(ctx: Context, per_rank: list[dict]) -> dict:
              100 * summary["target_idle_fraction"], 100 * summary["drafter_idle_fraction"],
              summary["channel_gb_per_s"], ctx.run_dir)
     return summary
+
+
+def _to_tensorboard(run_dir, summary: dict, targets: list[dict]) -> None:
+    """Stage throughput and idle fractions of the whole run, beside the per-step curves."""
+    from torch.utils.tensorboard import SummaryWriter
+    with SummaryWriter(str(run_dir / "tensorboard")) as writer:
+        for key in ("tokens_per_s", "steady_tokens_per_s", "target_idle_fraction", "drafter_idle_fraction",
+                    "channel_gb_per_s"):
+            writer.add_scalar(f"summary/{key}", summary[key], summary["steps"])
+        for stats in targets:
+            writer.add_scalar(f"summary/target{stats['rank']}_tokens_per_s", stats["tokens_per_s"], summary["steps"])
 
 
 def _mean(values) -> float:

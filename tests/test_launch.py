@@ -24,7 +24,13 @@ def test_t1d2_end_to_end(tmp_path, tiny_target_dir):
                  "logs/drafter2.log", "checkpoints/latest", "checkpoints/step_00000008/state.pt",
                  "export/config.json", "export/model.safetensors"):
         assert (run_dir / name).exists(), name
-    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tags = set()
+    for events in (run_dir / "tensorboard").glob("events.out.tfevents.*"):
+        tags |= set(EventAccumulator(str(events)).Reload().Tags()["scalars"])
+    assert {"train/loss", "train/tau", "train/lr", "train/tokens_per_s", "train/idle_fraction", "train/acc_k/slot1",
+            "eval/tau", "summary/target_idle_fraction", "summary/drafter_idle_fraction",
+            "summary/target0_tokens_per_s"} <= tags, tags
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # Every micro-batch a target produced was consumed exactly once, in order, by its scheduled drafter.
