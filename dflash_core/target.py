@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import logging
 from pathlib import Path
 
@@ -147,6 +148,10 @@ def load_target(path, *, layer_ids, device="cpu", dtype=torch.bfloat16,
     kept = max(layer_ids) + 1
 
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    if importlib.util.find_spec("accelerate") is not None:
+        # Straight onto the device: otherwise every target rank of a node stages its whole copy
+        # in host memory first (8 ranks x 16 GB for a Qwen3-8B node).
+        extra["device_map"] = str(torch.device(device))
     with _without_load_report():
         model, info = AutoModelForCausalLM.from_pretrained(
             path, config=_config_truncated_to(config, kept), dtype=dtype, output_loading_info=True, **extra)
