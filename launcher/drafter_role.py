@@ -154,17 +154,45 @@ def _summarise(tau_sum, tau_count, correct, weight) -> dict:
     return {**summary, "acc": sum(acc_k) / len(acc_k), "acc_k": acc_k}
 
 
-_LOSS_WINDOW = 10  # steps averaged for the start and end loss of the summary
+class _RunStats:
+    """The drafter loop's bookkeeping: losses, tokens and waiting, in total and per log window."""
 
+    LOSS_WINDOW = 10  # steps averaged for the start and end loss of the summary
 
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
+    def __init__(self):
+        self.started = time.perf_counter()
+        self.losses: list[float] = []
+        self.tokens = 0.0
+        self.progress = [(self.started, 0.0)]  # (time, tokens so far) after each step
+        self._window = (self.started, 0.0, 0.0)  # (start, tokens, seconds waiting) since the last log line
 
+    def add_step(self, loss: float, tokens: float, *, waited: float) -> None:
+        self.losses.append(loss)
+        self.tokens += tokens
+        self.progress.append((time.perf_counter(), self.tokens))
+        start, window_tokens, window_wait = self._window
+        self._window = (start, window_tokens + tokens, window_wait + waited)
 
-def _steady_rate(progress: list[tuple[float, float]]) -> float:
-    """Tokens/s over the second half of the steps: compilation and pipeline fill stay out of it."""
-    (t0, n0), (t1, n1) = progress[len(progress) // 2], progress[-1]
-    return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+    def window_rates(self, *, reset: bool) -> dict:
+        now = time.perf_counter()
+        start, tokens, waited = self._window
+        elapsed = max(now - start, 1e-9)
+        if reset:
+            self._window = (now, 0.0, 0.0)
+        return {"tokens_per_s": tokens / elapsed, "idle_fraction": waited / elapsed}
+
+    def steady_rate(self) -> float:
+        """Tokens/s over the second half of the steps: compilation and pipeline fill stay out of it."""
+        (t0, n0), (t1, n1) = self.progress[len(self.progress) // 2], self.progress[-1]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+
+    def result(self) -> dict:
+        wall = time.perf_counter() - self.started
+        head, tail = self.losses[:self.LOSS_WINDOW], self.losses[-self.LOSS_WINDOW:]
+        return {"wall_s": wall, "tokens": self.tokens, "tokens_per_s": self.tokens / wall if wall > 0 else 0.0,
+                "steady_tokens_per_s": self.steady_rate(),
+                "first_loss": sum(head) / len(head) if head else None,
+                "last_loss": sum(tail) / len(tail) if tail else None}
 
 
 def run_drafter(ctx: Context) -> dict:
@@ -186,11 +214,7 @@ def run_drafter(ctx: Context) -> dict:
         from launcher.metrics import MetricsSink
         sink = MetricsSink(ctx.run_dir, cfg.train.steps, ctx.start_step, cfg.run.progress)
     seq_log = SeqLog(ctx.run_dir, ctx.rank)
-    losses = []
-    progress = [(time.perf_counter(), 0.0)]  # (time, tokens so far) after each step
-    tokens_total = 0.0
-    started = time.perf_counter()
-    window_start, window_tokens, window_wait = started, 0.0, 0.0
+    run_stats = _RunStats()
     for step in range(ctx.start_step, cfg.train.steps):
         maybe_fail(cfg.fault, ctx.rank, step)
         t0 = time.perf_counter()
@@ -200,28 +224,20 @@ def run_drafter(ctx: Context) -> dict:
         t2 = time.perf_counter()
         trainer.wait_s += t1 - t0
         trainer.compute_s += t2 - t1
-        window_wait += t1 - t0
         if step == ctx.start_step:
             log.info("first step took %.1fs (includes compilation); flex compiles so far: %d", t2 - t1,
                      compile_count())
         for p in payloads:
             seq_log.write("trained", p.item)
-        tokens_total += stats[4].item()
-        progress.append((time.perf_counter(), tokens_total))
-        window_tokens += stats[4].item()
         loss = (stats[0] / stats[1].clamp_min(1e-9)).item()
-        losses.append(loss)
+        run_stats.add_step(loss, stats[4].item(), waited=t1 - t0)
         if sink is not None:
-            now = time.perf_counter()
             bs = trainer.dcfg.block_size
-            record = {"step": step + 1, "loss": loss, "lr": trainer.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                      "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
-                      "idle_fraction": window_wait / max(now - window_start, 1e-9),
-                      **_summarise(stats[2], stats[3], stats[5:5 + bs], stats[5 + bs:])}
             write = (step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.train.steps
+            record = {"step": step + 1, "loss": loss, "lr": trainer.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+                      **run_stats.window_rates(reset=write),
+                      **_summarise(stats[2], stats[3], stats[5:5 + bs], stats[5 + bs:])}
             sink.step(record, write)
-            if write:
-                window_start, window_tokens, window_wait = now, 0.0, 0.0
         if sched.evaluates_after(step):
             evals = [next(receiver) for _ in range(sched.eval_batches)]
             result = trainer.evaluate(evals)
@@ -235,11 +251,8 @@ def run_drafter(ctx: Context) -> dict:
             log.info("checkpoint %s", path)
     receiver.close([topo.unit_leader(u) for u in range(topo.num_units)])
     seq_log.close()
-    wall = time.perf_counter() - started
-    result = {"wall_s": wall, "recv_wait_s": trainer.wait_s,
-              "step_s": trainer.compute_s, "items": len(receiver.received), "compiles": compile_count(),
-              "first_loss": _mean(losses[:_LOSS_WINDOW]), "last_loss": _mean(losses[-_LOSS_WINDOW:]), "tokens": tokens_total, "steady_tokens_per_s": _steady_rate(progress),
-              "tokens_per_s": tokens_total / wall if wall > 0 else 0.0}
+    result = {**run_stats.result(), "recv_wait_s": trainer.wait_s, "step_s": trainer.compute_s,
+              "items": len(receiver.received), "compiles": compile_count()}
     if trainer.is_lead:
         sink.close()
         log.info("curves: %s", plot_run(ctx.run_dir))
