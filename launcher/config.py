@@ -32,11 +32,27 @@ def config_hash(cfg: DictConfig) -> str:
     return hashlib.sha256(config_yaml(cfg).encode()).hexdigest()[:16]
 
 
+def require(cfg: DictConfig, ok: bool, key: str, why: str) -> None:
+    """Raise a ConfigError naming `key` and its value unless `ok`."""
+    if not ok:
+        raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r}: {why}")
+
+
+def resolve_device(setting: str, key: str, local_rank: int = 0):
+    """`auto` | `cpu` | `cuda` -> a torch.device (this local rank's GPU, shared round-robin when
+    there are fewer GPUs than ranks); `cuda` without a visible GPU is an error naming `key`."""
+    import torch
+    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{key}={setting!r}: no CUDA device is visible")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
 def validate(cfg: DictConfig) -> None:
     """Checks that need no model: they run before any process group or weights exist."""
     def need(ok: bool, key: str, why: str) -> None:
-        if not ok:
-            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r}: {why}")
+        require(cfg, ok, key, why)
 
     need(cfg.train.steps >= 1, "train.steps", "must be >= 1")
     need(cfg.train.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")

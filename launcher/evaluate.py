@@ -12,29 +12,17 @@ import sys
 import time
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from launcher.config import ConfigError, compose_config
-
-def _need(ok: bool, cfg: DictConfig, key: str, why: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r}: {why}")
-
+from launcher.config import ConfigError, compose_config, require, resolve_device
 
 def validate(cfg: DictConfig) -> None:
     ev = cfg.evaluate
-    _need(ev.drafter is not None, cfg, "evaluate.drafter",
-          "set it to an exported drafter dir or a checkpoints/step_XXXXXXXX dir")
-    _need(ev.num_prompts >= 1, cfg, "evaluate.num_prompts", "must be >= 1")
-    _need(ev.max_new_tokens >= 1, cfg, "evaluate.max_new_tokens", "must be >= 1")
-    _need(ev.device in ("auto", "cpu", "cuda"), cfg, "evaluate.device", "must be auto, cpu or cuda")
-
-
-def _device(setting: str):
-    import torch
-    if setting == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("evaluate.device='cuda': no CUDA device is visible")
-    return torch.device("cuda" if setting != "cpu" and torch.cuda.is_available() else "cpu")
+    require(cfg, ev.drafter is not None, "evaluate.drafter",
+            "set it to an exported drafter dir or a checkpoints/step_XXXXXXXX dir")
+    require(cfg, ev.num_prompts >= 1, "evaluate.num_prompts", "must be >= 1")
+    require(cfg, ev.max_new_tokens >= 1, "evaluate.max_new_tokens", "must be >= 1")
+    require(cfg, ev.device in ("auto", "cpu", "cuda"), "evaluate.device", "must be auto, cpu or cuda")
 
 
 def load_drafter(path, *, device=None, dtype=None):
@@ -113,7 +101,7 @@ def evaluate(cfg: DictConfig) -> dict:
     from launcher.setup_models import compute_dtype, ensure_embedded_target, target_dir
 
     ev = cfg.evaluate
-    device = _device(ev.device)
+    device = resolve_device(ev.device, "evaluate.device")
     dtype = compute_dtype(cfg.target.dtype, device)
     ensure_embedded_target(cfg, ev.seed)
     path = target_dir(cfg)

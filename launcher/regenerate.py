@@ -24,7 +24,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.config import ConfigError, compose_config
+from launcher.config import ConfigError, compose_config, require, resolve_device
 from launcher.rundir import log, setup_logging
 
 # Settings that change what gets generated: parts written under other values are not reused.
@@ -44,8 +44,7 @@ def validate(cfg: DictConfig) -> None:
     r = cfg.regenerate
 
     def need(ok: bool, key: str, why: str) -> None:
-        if not ok:
-            raise ConfigError(f"regenerate.{key}={OmegaConf.select(r, key)!r}: {why}")
+        require(cfg, ok, f"regenerate.{key}", why)
 
     need(r.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
     need(r.batch_size >= 1, "batch_size", "must be >= 1")
@@ -246,17 +245,6 @@ def merge_parts(parts: Path, world: int, num_prompts: int, output: Path) -> int:
 
 
 # ----------------------------------------------------------------------------- the job
-def _device(setting: str, local_rank: int):
-    import torch
-    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ConfigError("regenerate.device='cuda' but no CUDA device is visible")
-    device = torch.device("cuda", local_rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
-    return device
-
-
 def run(overrides: list[str]) -> int:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     tag = f"regen{rank}"
@@ -271,7 +259,9 @@ def run(overrides: list[str]) -> int:
 
     from launcher.setup_models import compute_dtype, ensure_embedded_target, target_dir
 
-    device = _device(r.device, int(os.environ.get("LOCAL_RANK", 0)))
+    device = resolve_device(r.device, "regenerate.device", int(os.environ.get("LOCAL_RANK", 0)))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     # gloo for everything: the ranks exchange only a barrier and a few small objects.
     dist.init_process_group("gloo", timeout=timedelta(seconds=r.timeout_s))
     output = Path(r.output).resolve()

@@ -8,7 +8,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from launcher.config import compose_config, config_hash, config_yaml, validate
+from launcher.config import compose_config, config_hash, config_yaml, resolve_device, validate
 from launcher.rundir import default_run_dir, log, prepare_run_dir, setup_logging
 from launcher.topology import parse_topology
 
@@ -29,17 +29,10 @@ def restart_count() -> int:
     return _env_int("TORCHELASTIC_RESTART_COUNT", 0)
 
 
-def _pick_device(setting: str, local_rank: int, local_world: int):
+def _backend_for(device, local_world: int) -> str:
     import torch
-    want_cuda = setting == "cuda" or (setting == "auto" and torch.cuda.is_available())
-    if not want_cuda:
-        return torch.device("cpu"), "gloo"
-    count = torch.cuda.device_count()
-    if count == 0:
-        raise RuntimeError("run.device=cuda but no CUDA device is visible")
-    device = torch.device("cuda", local_rank % count)
     # NCCL cannot put two ranks on one GPU: share GPUs over gloo (payloads travel through host memory).
-    return device, ("nccl" if count >= local_world else "gloo")
+    return "nccl" if device.type == "cuda" and torch.cuda.device_count() >= local_world else "gloo"
 
 
 def _agree_on_run_dir(cfg, rank: int, control) -> Path:
@@ -113,7 +106,8 @@ def run(overrides: list[str]) -> int:
         # One host: gloo (the control plane, and the channel on CPU) must not pick an interface
         # by hostname lookup, which in some VMs resolves to an address the host cannot reach.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    device, backend = _pick_device(cfg.run.device, local_rank, local_world)
+    device = resolve_device(cfg.run.device, "run.device", local_rank)
+    backend = _backend_for(device, local_world)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.run.timeout_s),
