@@ -76,10 +76,10 @@ _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
 # version is used: inductor's CPU codegen fails on this mask_mod (torch 2.13: VecMask<int>
 # vs VecMask<float> in the padded reduction), and a dense mask is harmless on CPU.
 _compiled_create_block_mask = torch.compile(create_block_mask, dynamic=False)
-_compiles = {"flex_attention": 0, "create_block_mask": 0}
+_compiles = {"flex_attention": 0, "create_block_mask": 0, "drafter_layer": 0, "head_loss": 0}
 
 
-def _counting(name, fn, *args, **kwargs):
+def counting(name, fn, *args, **kwargs):
     """Call a compiled fn and attribute any dynamo graphs compiled meanwhile to `name`."""
     before = counters["stats"]["unique_graphs"]
     out = fn(*args, **kwargs)
@@ -88,8 +88,9 @@ def _counting(name, fn, *args, **kwargs):
 
 
 def compile_count(name=None):
-    """Dynamo graphs compiled by the flex path in this process (all, or one of
-    "flex_attention" / "create_block_mask"). Steady-state training must not increase it."""
+    """Dynamo graphs compiled by the drafter in this process (all, or one of
+    "flex_attention", "create_block_mask", "drafter_layer", "head_loss"). Steady-state training
+    must not increase it."""
     return sum(_compiles.values()) if name is None else _compiles[name]
 
 
@@ -113,7 +114,7 @@ def build_attention_mask(anchors, keep, *, context_len, block_size, layer_type, 
         return dense_mask(mask_mod, batch, q_len, kv_len, anchors.device)
     if anchors.device.type != "cuda":
         return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=anchors.device)
-    return _counting("create_block_mask", _compiled_create_block_mask,
+    return counting("create_block_mask", _compiled_create_block_mask,
                      mask_mod, batch, None, q_len, kv_len, device=anchors.device)
 
 
@@ -121,12 +122,14 @@ def attend(q, k, v, mask):
     """q [B, Hq, Q, D], k/v [B, Hkv, KV, D] (GQA when Hkv < Hq) -> [B, Hq, Q, D].
     Rows that see no key return exactly 0 on both backends."""
     if isinstance(mask, BlockMask):
+        if torch.compiler.is_compiling():  # traced into a compiled drafter layer
+            return flex_attention(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
         if q.device.type == "cpu" and torch.is_grad_enabled() and any(
                 t.requires_grad for t in (q, k, v)):
             # CPU flex has no backward, and a compiled call with grad-requiring inputs makes
             # dynamo skip the function for the rest of the process. Fail loudly instead.
             raise RuntimeError("flex backend has no backward on CPU; use backend='sdpa'")
-        return _counting("flex_attention", _compiled_flex_attention, q, k, v, block_mask=mask,
+        return counting("flex_attention", _compiled_flex_attention, q, k, v, block_mask=mask,
                          enable_gqa=q.shape[1] != k.shape[1])
     # Expand KV heads rather than enable_gqa: SDPA's memory-efficient CUDA kernel takes a
     # mask but not GQA, and the math fallback would store [B, H, Q, KV] scores.

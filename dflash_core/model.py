@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import LAYER_TYPES, attend, build_attention_mask
+from .attention import LAYER_TYPES, attend, build_attention_mask, counting
 
 
 def default_target_layer_ids(num_target_layers, num_layers):
@@ -203,10 +203,22 @@ class DrafterLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def _call_layer(layer, h, ctx, q_rope, kv_rope, mask):
+    return layer(h, ctx, q_rope, kv_rope, mask)
+
+
+# One compiled graph serves every layer instance (dynamo inlines nn.Modules, so parameters are
+# graph inputs, not constants); the first layer compiles a second graph, its input being the frozen
+# embeddings (no grad). Fuses the norms, RoPE, SiLU and residuals around the GEMMs and the
+# flex_attention call traced into the same graph.
+_compiled_call_layer = torch.compile(_call_layer, dynamic=False)
+
+
 class DFlashDrafter(nn.Module):
     def __init__(self, cfg, *, seed=None):
         super().__init__()
         self.config = cfg
+        self.compiled = False   # see compile_layers
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.fc = nn.Linear(cfg.num_features * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -225,6 +237,12 @@ class DFlashDrafter(nn.Module):
                     module.bias.zero_()
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+
+    def compile_layers(self, enabled=True):
+        """Run the decoder layers (and the fused head loss, see objective.py) through
+        torch.compile with static shapes: one compilation per process at the first step."""
+        self.compiled = enabled
+        return self
 
     def forward(self, context_features, block_embeds, anchors, keep, *, backend="auto"):
         """context_features [B, S, L*H], block_embeds [B, N*Bs, H], anchors/keep [B, N]
@@ -250,5 +268,8 @@ class DFlashDrafter(nn.Module):
                  for layer_type in dict.fromkeys(cfg.layer_types)}
         h = block_embeds
         for layer, layer_type in zip(self.layers, cfg.layer_types):
-            h = layer(h, ctx, q_rope, kv_rope, masks[layer_type])
+            if self.compiled:
+                h = counting("drafter_layer", _compiled_call_layer, layer, h, ctx, q_rope, kv_rope, masks[layer_type])
+            else:
+                h = layer(h, ctx, q_rope, kv_rope, masks[layer_type])
         return self.norm(h)

@@ -52,6 +52,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="thread baseline: add a thread running torch.fx.symbolic_trace in a loop")
     p.add_argument("--baseline-cold-cache", action="store_true",
                    help="thread baseline compiles from an empty inductor cache (default: reuse the bench's)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                   help="hydra override for the drafter-alone and end-to-end rows (repeatable), "
+                        "e.g. --set drafter.compile=false")
+    p.add_argument("--profile", action="store_true",
+                   help="profile two drafter steps at the longest length: kernel table and compile times")
+    p.add_argument("--skip-target", action="store_true")
+    p.add_argument("--skip-drafter", action="store_true")
     p.add_argument("--skip-e2e", action="store_true")
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--e2e-timeout", type=float)
@@ -132,13 +139,16 @@ def run(args) -> dict:
     data_path = work / "data.jsonl"
     data_info = write_synthetic_data(data_path, target_dir, max(args.seqs + [args.e2e_seq]))
     over = dict(target_dir=target_dir, data_path=data_path, tiny=args.tiny, anchors=args.anchors, work=work)
-    extra = [] if cuda else ["run.device=cpu"]   # --tiny on a GPU machine stays on the CPU throughout
+    extra = ([] if cuda else ["run.device=cpu"]) + list(args.overrides)   # --tiny on a GPU stays on the CPU
     cfg = compose_config(run_overrides(seq_len=max(args.seqs), steps=args.warmup + args.steps, **over) + extra)
     dcfg = drafter_config(cfg)
     hf_config = AutoConfig.from_pretrained(target_dir)
     cache_root = work / "compile_cache"
-    # The drafter stage compiles into the cache dir the end-to-end run's first drafter rank (rank 1) uses.
-    iso = isolate("drafter", 1, 1, cache_root, device, cfg.isolation.recompile_limit, cfg.isolation.compile_threads)
+    # The drafter stage compiles into the cache dir of the end-to-end run's first drafter (rank 1), on that
+    # rank's GPU: inductor's cache keys include the device, and a miss costs minutes at the 8B shape.
+    drafter_device = torch.device("cuda", 1) if cuda and num_gpus >= 2 else device
+    iso = isolate("drafter", 1, 1, cache_root, drafter_device, cfg.isolation.recompile_limit,
+                  cfg.isolation.compile_threads)
     meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
             "num_gpus": num_gpus, "tiny": args.tiny, "seqs": args.seqs, "anchors": args.anchors,
             "shape": shape, "drafter": {"num_layers": dcfg.num_hidden_layers, "block_size": dcfg.block_size,
@@ -153,25 +163,32 @@ def run(args) -> dict:
     ceiling = ceiling_row["tflops"]
     progress(f"matmul ceiling {ceiling:.1f} TFLOP/s ({ceiling_row['shape']})")
 
-    progress("row 2: target alone")
     target_rows = []
-    try:
-        target_rows = target_stage(hf_config, dcfg.target_layer_ids, device, compute_dtype(cfg.target.dtype, device),
-                                   args.seqs, warmup=args.warmup, reps=args.steps, ceiling=ceiling)
-    except Exception as exc:  # noqa: BLE001 - a failed row must not cost the others
-        rows.append(_error_row(2, "target alone", exc))
+    if args.skip_target:
+        rows.append({"n": 2, "row": "target alone", "notes": "skipped (--skip-target)"})
+    else:
+        progress("row 2: target alone")
+        try:
+            target_rows = target_stage(hf_config, dcfg.target_layer_ids, device,
+                                       compute_dtype(cfg.target.dtype, device), args.seqs, warmup=args.warmup,
+                                       reps=args.steps, ceiling=ceiling)
+        except Exception as exc:  # noqa: BLE001 - a failed row must not cost the others
+            rows.append(_error_row(2, "target alone", exc))
     rows += [{"n": 2, **r} for r in target_rows]
     _free(device)
 
-    progress("row 3: drafter alone (DrafterTrainer.train_step)")
     drafter_rows = []
-    try:
-        drafter_rows = drafter_stage(cfg, device, args.seqs, work=work, isolation=iso, warmup=args.warmup,
-                                     steps=args.steps, ceiling=ceiling)
-    except Exception as exc:  # noqa: BLE001
-        rows.append(_error_row(3, "drafter alone", exc))
-    rows += [{"n": 3, **r} for r in drafter_rows]
-    _free(device)
+    if args.skip_drafter:
+        rows.append({"n": 3, "row": "drafter alone", "notes": "skipped (--skip-drafter)"})
+    else:
+        progress("row 3: drafter alone (DrafterTrainer.train_step)")
+        try:
+            drafter_rows = drafter_stage(cfg, drafter_device, args.seqs, work=work, isolation=iso, warmup=args.warmup,
+                                         steps=args.steps, ceiling=ceiling, profile=args.profile)
+        except Exception as exc:  # noqa: BLE001
+            rows.append(_error_row(3, "drafter alone", exc))
+        rows += [{"n": 3, **r} for r in drafter_rows]
+        _free(drafter_device)
 
     target_rate = {r["seq_len"]: r["tokens_per_s"] for r in target_rows}
     drafter_rate = {r["seq_len"]: r["tokens_per_s"] for r in drafter_rows}

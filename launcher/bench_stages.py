@@ -307,8 +307,11 @@ def _one_rank_context(cfg, device: torch.device, work: Path, isolation):
                    work / "drafter_run", schedule_from(cfg, topo), 0, None, isolation)
 
 
-def drafter_stage(cfg, device, seqs, *, work: Path, isolation, warmup: int, steps: int, ceiling: float) -> list[dict]:
-    """The real training step (launcher.drafter_role.DrafterTrainer.train_step) fed from memory."""
+def drafter_stage(cfg, device, seqs, *, work: Path, isolation, warmup: int, steps: int, ceiling: float,
+                  profile: bool = False) -> list[dict]:
+    """The real training step (launcher.drafter_role.DrafterTrainer.train_step) fed from memory.
+    profile: two more steps at the last length under torch.profiler; the kernel table is printed
+    and kept in that row (with dynamo's compile times)."""
     import torch.distributed as dist
     from dflash_core.attention import compile_count
     from launcher.channel import Payload
@@ -370,6 +373,8 @@ def drafter_stage(cfg, device, seqs, *, work: Path, isolation, warmup: int, step
                    "compiles_stable": compiles_after == compiles_warm, "params_m": params / 1e6,
                    "notes": (f"peak {peak:.1f} GiB, " if peak is not None else "")
                    + f"compiles {compiles_warm}->{compiles_after}, warmup {warm_s:.0f}s"}
+            if profile and seq_len == seqs[-1]:
+                row["profile"] = _profile(step, device)
             rows.append(row)
             progress(f"drafter alone S={seq_len}: {row['ms_per_step']:.1f} ms/step, {row['tokens_per_s']:.0f} "
                      f"tokens/s, {row['tflops']:.1f} TFLOP/s, MFU {row['mfu']:.2f}, {row['notes']}")
@@ -377,6 +382,22 @@ def drafter_stage(cfg, device, seqs, *, work: Path, isolation, warmup: int, step
     finally:
         dist.destroy_process_group()
     return rows
+
+
+def _profile(step, device: torch.device, steps: int = 2) -> dict:
+    from torch._dynamo.utils import compile_times
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        _sync(device)
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70)
+    times = compile_times(repr="str", aggregate=True)
+    print(f"profile of {steps} drafter steps (sorted by {sort}):\n{table}\ncompile times:\n{times}", flush=True)
+    return {"steps": steps, "table": table, "compile_times": times}
 
 
 # ------------------------------------------------------------------------------ subprocesses

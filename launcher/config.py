@@ -63,6 +63,7 @@ def validate(cfg: DictConfig) -> None:
     need(cfg.drafter.num_layers >= 1, "drafter.num_layers", "must be >= 1")
     need(cfg.drafter.loss in ("dflash", "dpace"), "drafter.loss", "must be dflash or dpace")
     need(cfg.drafter.backend in ("auto", "flex", "sdpa"), "drafter.backend", "must be auto, flex or sdpa")
+    need(cfg.drafter.compile in ("auto", True, False), "drafter.compile", "must be auto, true or false")
     need(cfg.data.on_bad_line in ("fail", "skip"), "data.on_bad_line", "must be fail or skip")
     need(0.0 <= cfg.data.eval_fraction < 1.0, "data.eval_fraction", "must be in [0, 1)")
     need(cfg.data.max_length >= 4, "data.max_length", "must be >= 4")

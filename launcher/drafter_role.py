@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from dflash_core.attention import compile_count
+from dflash_core.attention import compile_count, resolve_backend
 from dflash_core.export import export_drafter
 from dflash_core.frozen_head import FrozenTargetHead
 from dflash_core.model import DFlashDrafter
@@ -40,7 +40,7 @@ class DrafterTrainer:
         self.device = ctx.device
         self.amp_dtype = compute_dtype("auto", self.device)
         torch.manual_seed(cfg.run.seed)
-        self.drafter = DFlashDrafter(self.dcfg).to(self.device)
+        self.drafter = DFlashDrafter(self.dcfg).to(self.device).compile_layers(self.compiles_layers(cfg, self.device))
         if cfg.target.random_weights:
             self.head = FrozenTargetHead.random(self.dcfg.vocab_size, self.dcfg.hidden_size, seed=cfg.run.seed,
                                                 device=self.device, dtype=self.amp_dtype)
@@ -60,6 +60,14 @@ class DrafterTrainer:
                                 feature_noise_std=d.feature_noise_std)
         self.is_lead = ctx.rank == ctx.topo.lead_drafter
         self.wait_s = self.compute_s = 0.0
+
+    @staticmethod
+    def compiles_layers(cfg, device: torch.device) -> bool:
+        """drafter.compile=auto: with the flex backend at one static length (data.fixed_length);
+        varying lengths would compile the layers once per length."""
+        if cfg.drafter.compile == "auto":
+            return resolve_backend(cfg.drafter.backend, device) == "flex" and cfg.data.fixed_length is not None
+        return bool(cfg.drafter.compile)
 
     def autocast(self):
         if self.device.type == "cuda":

@@ -6,6 +6,7 @@ Two launches on nvidia-h200-x2 (torch 2.11) printed nothing for 300 s and then f
 any rank logged its first line; this script narrows that down to one call.
 """
 import argparse
+import faulthandler
 import os
 import sys
 import time
@@ -26,6 +27,8 @@ def main() -> None:
     parser.add_argument("--no-device-id", action="store_true", help="lazy NCCL init (no device_id)")
     parser.add_argument("--timeout", type=float, default=60)
     args = parser.parse_args()
+    # A stalled call prints every thread's stack instead of waiting out the timeout silently.
+    faulthandler.dump_traceback_later(args.timeout + 10, exit=True)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)

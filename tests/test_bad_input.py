@@ -88,7 +88,8 @@ def test_fixed_length_shorter_than_a_sample(tmp_path, tiny_target_dir):
 @pytest.mark.parametrize("override,key", [("drafter.block_size=1", "drafter.block_size"),
                                           ("drafter.loss=focal", "drafter.loss"),
                                           ("train.steps=0", "train.steps"),
-                                          ("data.on_bad_line=ignore", "data.on_bad_line")])
+                                          ("data.on_bad_line=ignore", "data.on_bad_line"),
+                                          ("drafter.compile=yes", "drafter.compile")])
 def test_invalid_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=rf"^{key}="):
         validate(compose_config([override]))

@@ -250,7 +250,7 @@ def test_fused_head_loss_matches_plain_autograd(loss_type):
     labels = torch.randint(0, VOCAB, (2, 5, 4), generator=generator)
     weights = (torch.rand(2, 5, 4, generator=generator) > 0.3).double()
     weights[..., 0] = 0
-    fused = _FusedHeadLoss.apply(h, head.lm_head_weight, labels, weights, loss_type, 4.0, 0.5)
+    fused = _FusedHeadLoss.apply(h, head.lm_head_weight, labels, weights, loss_type, 4.0, 0.5, False)
     plain = _chunk_loss(h, labels, weights, head, loss_type, 4.0, 0.5)
     # An upstream gradient other than 1 checks that backward scales the saved gradient.
     (grad_fused,), (grad_plain,) = (torch.autograd.grad(out[0] * 3.0, h) for out in (fused, plain))
@@ -258,3 +258,36 @@ def test_fused_head_loss_matches_plain_autograd(loss_type):
     torch.testing.assert_close(fused[1], plain[1].double(), rtol=1e-5, atol=1e-6)
     assert torch.equal(fused[2], plain[2])
     torch.testing.assert_close(grad_fused, grad_plain, rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_layers_and_head_loss_match_eager_and_compile_once():
+    """drafter.compile_layers(): same loss and gradients as eager (CPU, sdpa), and a second
+    micro-batch with new data at the same shape compiles nothing new."""
+    from dflash_core import attention
+    cfg = DrafterConfig(hidden_size=HIDDEN, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, intermediate_size=48, vocab_size=VOCAB,
+                        block_size=BS, target_layer_ids=[0, 1], num_target_layers=2,
+                        mask_token_id=MASK_ID)
+    eager = DFlashDrafter(cfg, seed=0)
+    compiled = copy.deepcopy(eager).compile_layers()
+    head = FrozenTargetHead.random(VOCAB, HIDDEN, seed=1)
+    before = {name: attention.compile_count(name) for name in ("drafter_layer", "head_loss")}
+    for seed in (0, 1):
+        batch = random_batch(rows=2, seq_len=24, seed=seed)
+        outs = []
+        for model in (eager, compiled):
+            model.zero_grad()
+            out = drafter_step(model, head, *batch, num_anchors=6, loss_type="dpace", backend="sdpa",
+                               generator=torch.Generator().manual_seed(seed), chunk_blocks=3)
+            out.loss_sum.backward()
+            outs.append((out, [p.grad.clone() for p in model.parameters()]))
+        (want, want_grads), (got, got_grads) = outs
+        torch.testing.assert_close(got.loss_sum, want.loss_sum, rtol=1e-5, atol=1e-6)
+        assert torch.equal(got.slot_correct, want.slot_correct)
+        for g, w in zip(got_grads, want_grads):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+        if seed == 0:
+            first = {name: attention.compile_count(name) - before[name] for name in before}
+    # One layer graph for the first layer (frozen embeddings in), one for the rest; one head graph.
+    assert first == {"drafter_layer": 2, "head_loss": 1}
+    assert {name: attention.compile_count(name) - before[name] for name in before} == first
