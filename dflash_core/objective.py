@@ -217,10 +217,13 @@ def evaluate_tau(drafter, head, input_ids, loss_mask, hidden, *, backend="auto",
     totals = [0.0] * 6  # loss_sum, weight_sum, slot_correct, slot_weight, tau_sum, tau_count
     for start in range(0, anchors.shape[1], num_anchors):
         part = slice(start, start + num_anchors)
+        # Contiguous chunks: a slice's strides depend on this batch's anchor count, and compiled
+        # code (flex masks, compiled layers) guards on them, so slices would recompile per batch.
+        chunk_anchors, chunk_keep = anchors[:, part].contiguous(), keep[:, part].contiguous()
         loss_sum, weight_sum, correct, weights = _run_blocks(
-            drafter, head, input_ids, loss_mask, hidden, anchors[:, part], keep[:, part],
+            drafter, head, input_ids, loss_mask, hidden, chunk_anchors, chunk_keep,
             loss_type="dflash", gamma=None, alpha=0.0, backend=backend, chunk_blocks=chunk_blocks)
-        counts = (loss_sum, weight_sum, *_acceptance_counts(correct, weights, keep[:, part]))
+        counts = (loss_sum, weight_sum, *_acceptance_counts(correct, weights, chunk_keep))
         totals = [total + count for total, count in zip(totals, counts)]
     loss_sum, weight_sum, slot_correct, slot_weight, tau_sum, tau_count = totals
     return {

@@ -81,3 +81,25 @@ def test_flex_returns_zero_for_rows_without_keys(compiles_before):
     assert torch.equal(flex[0, :, -BS:], torch.zeros_like(flex[0, :, -BS:]))
     torch.testing.assert_close(flex, sdpa, **TOLERANCE)
     assert attention.compile_count("flex_attention") == compiles_before + 1, "same shape"
+
+
+@torch.no_grad()
+def test_evaluation_recompiles_nothing_across_batches(drafter):
+    """Held-out batches with different numbers of valid anchors reuse the compiled layer (flex
+    inside): the anchor chunks must not reach the graph as slices with batch-dependent strides."""
+    from dflash_core.frozen_head import FrozenTargetHead
+    from dflash_core.objective import evaluate_tau
+    head = FrozenTargetHead.random(50, HIDDEN, seed=0)
+    compiled = drafter.compile_layers()
+    try:
+        gen = torch.Generator().manual_seed(0)
+        counts = []
+        for supervised in (S, S // 2):   # all positions, then half: fewer anchor chunks
+            ids = torch.randint(0, 49, (B, S), generator=gen)
+            mask = (torch.arange(S) < supervised).long().expand(B, -1)
+            features = torch.randn(B, S, 2 * HIDDEN, generator=gen)
+            evaluate_tau(compiled, head, ids, mask, features, backend="flex", num_anchors=N, chunk_blocks=N)
+            counts.append(attention.compile_count("drafter_layer"))
+        assert counts[1] == counts[0] > 0
+    finally:
+        drafter.compile_layers(False)
