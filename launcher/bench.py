@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from launcher.bench_stages import (
-    QWEN3_8B_SHAPE, REPO, balance_advice, baseline_stage, drafter_stage, e2e_stage, matmul_ceiling, progress,
+    REPO, SHAPES, balance_advice, baseline_stage, drafter_stage, e2e_stage, matmul_ceiling, progress,
     run_overrides, target_stage, write_bench_target, write_synthetic_data)
 
 GPU_DEFAULTS = dict(seq="2048,4096", steps=10, warmup=3, e2e_steps=40, baseline_steps=20, anchors=512,
@@ -39,6 +39,8 @@ TINY_DEFAULTS = dict(seq="64,128", steps=4, warmup=2, e2e_steps=8, baseline_step
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m launcher.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny shapes (automatic when CUDA is unavailable)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b", help="target shape on GPUs")
+    p.add_argument("--e2e-topology", help="t<T>d<D> of the end-to-end run (default t1d<G-1> on G GPUs)")
     p.add_argument("--seq", help="comma-separated sequence lengths (default 2048,4096; tiny 64,128)")
     p.add_argument("--steps", type=int, help="timed steps per stage measurement (default 10; tiny 4)")
     p.add_argument("--warmup", type=int, help="untimed steps first (compiles happen here; default 3)")
@@ -124,17 +126,20 @@ def run(args) -> dict:
     from launcher.config import compose_config
     from launcher.isolation import isolate
     from launcher.setup_models import compute_dtype, drafter_config
+    from launcher.topology import parse_topology
 
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     num_gpus = torch.cuda.device_count() if cuda else 0
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="dflash-bench-"))
     work.mkdir(parents=True, exist_ok=True)
+    procs = 2 if not cuda else num_gpus
+    e2e_topology = parse_topology(args.e2e_topology or f"t1d{max(procs - 1, 1)}", max(procs, 2), 1)
     progress(f"torch {torch.__version__}, device {torch.cuda.get_device_name(0) if cuda else 'cpu'}, "
-             f"{num_gpus} GPU(s), {'tiny' if args.tiny else 'Qwen3-8B'} shapes, S={args.seqs}, work dir {work}")
+             f"{num_gpus} GPU(s), {'tiny' if args.tiny else args.shape} shapes, S={args.seqs}, work dir {work}")
 
     tokenizer_src = _tokenizer_source(args)
-    shape = _tiny_shape(tokenizer_src) if args.tiny else dict(QWEN3_8B_SHAPE)
+    shape = _tiny_shape(tokenizer_src) if args.tiny else dict(SHAPES[args.shape])
     target_dir = write_bench_target(work / "target", shape, tokenizer_src)
     data_path = work / "data.jsonl"
     data_info = write_synthetic_data(data_path, target_dir, max(args.seqs + [args.e2e_seq]))
@@ -144,10 +149,11 @@ def run(args) -> dict:
     dcfg = drafter_config(cfg)
     hf_config = AutoConfig.from_pretrained(target_dir)
     cache_root = work / "compile_cache"
-    # The drafter stage compiles into the cache dir of the end-to-end run's first drafter (rank 1), on that
-    # rank's GPU: inductor's cache keys include the device, and a miss costs minutes at the 8B shape.
-    drafter_device = torch.device("cuda", 1) if cuda and num_gpus >= 2 else device
-    iso = isolate("drafter", 1, 1, cache_root, drafter_device, cfg.isolation.recompile_limit,
+    # The drafter stage compiles into the cache dir of the end-to-end run's first drafter, on that rank's
+    # GPU: inductor's cache keys include the device, and a miss costs minutes at the 8B shape.
+    first_drafter = e2e_topology.num_targets
+    drafter_device = torch.device("cuda", first_drafter) if cuda and num_gpus > first_drafter else device
+    iso = isolate("drafter", first_drafter, 1, cache_root, drafter_device, cfg.isolation.recompile_limit,
                   cfg.isolation.compile_threads)
     meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
             "num_gpus": num_gpus, "tiny": args.tiny, "seqs": args.seqs, "anchors": args.anchors,
@@ -192,19 +198,19 @@ def run(args) -> dict:
 
     target_rate = {r["seq_len"]: r["tokens_per_s"] for r in target_rows}
     drafter_rate = {r["seq_len"]: r["tokens_per_s"] for r in drafter_rows}
-    procs = 2 if not cuda else num_gpus
     e2e_row = None
     if args.skip_e2e:
         rows.append({"n": 4, "row": "end to end", "notes": "skipped (--skip-e2e)"})
     elif procs < 2:
         rows.append({"n": 4, "row": "end to end", "notes": f"skipped: needs >= 2 GPUs, found {num_gpus}"})
     else:
-        progress(f"row 4: end to end, t1d{procs - 1} on {procs} {'GPUs' if cuda else 'CPU processes'}, "
+        t, d = e2e_topology.num_targets, e2e_topology.num_drafters
+        progress(f"row 4: end to end, t{t}d{d} on {procs} {'GPUs' if cuda else 'CPU processes'}, "
                  f"S={args.e2e_seq}, {args.e2e_steps} steps")
         try:
             summary = e2e_stage(run_overrides(seq_len=args.e2e_seq, steps=args.e2e_steps, **over) + extra,
-                                num_procs=procs, work=work, tiny=args.tiny, timeout_s=args.e2e_timeout)
-            e2e_row = _e2e_row(summary, args.e2e_seq, target_rate, drafter_rate, procs)
+                                topology=e2e_topology, work=work, tiny=args.tiny, timeout_s=args.e2e_timeout)
+            e2e_row = _e2e_row(summary, args.e2e_seq, target_rate, drafter_rate, t, d)
             rows.append(e2e_row)
         except Exception as exc:  # noqa: BLE001
             rows.append(_error_row(4, "end to end", exc))
@@ -237,8 +243,7 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _e2e_row(summary: dict, seq_len: int, target_rate: dict, drafter_rate: dict, procs: int) -> dict:
-    t, d = 1, procs - 1
+def _e2e_row(summary: dict, seq_len: int, target_rate: dict, drafter_rate: dict, t: int, d: int) -> dict:
     steady = summary["steady_tokens_per_s"]
     bound = None
     if seq_len in target_rate and seq_len in drafter_rate:
@@ -251,11 +256,13 @@ def _e2e_row(summary: dict, seq_len: int, target_rate: dict, drafter_rate: dict,
             "target_idle_fraction": summary["target_idle_fraction"],
             "drafter_idle_fraction": summary["drafter_idle_fraction"],
             "channel_gb_per_s": summary["channel_gb_per_s"], "compiles_per_drafter": compiles,
+            "compile_s_per_drafter": summary.get("compile_s", {}),
             "overall_tokens_per_s": summary["tokens_per_s"], "steps": summary["steps"], "wall_s": summary["wall_s"],
             "first_loss": summary.get("first_loss"), "last_loss": summary.get("last_loss"), "summary": summary,
             "notes": f"efficiency {_fmt(efficiency, '.2f')}, idle target {summary['target_idle_fraction']:.0%} "
                      f"drafter {summary['drafter_idle_fraction']:.0%}, channel {summary['channel_gb_per_s']:.2f} GB/s, "
-                     f"compiles {dict(compiles)}"}
+                     f"compiles {dict(compiles)}, compile s "
+                     f"{ {r: round(v, 1) for r, v in summary.get('compile_s', {}).items() if v is not None} }"}
 
 
 def _balance_row(seq_len: int, target_rate: float, drafter_rate: float, node_gpus: int) -> dict:
@@ -305,9 +312,13 @@ def _baseline_row(result: dict, e2e_row: dict | None) -> dict:
 
 
 def main(argv=None) -> None:
+    from launcher.config import ConfigError
     args = parse_args(argv)
     out = Path(args.out) if args.out else default_out()
-    report = run(args)
+    try:
+        report = run(args)
+    except ConfigError as exc:
+        raise SystemExit(f"launcher.bench: {exc}") from None
     table = format_table(report["rows"])
     report["table"] = table
     out.parent.mkdir(parents=True, exist_ok=True)

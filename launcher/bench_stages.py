@@ -22,6 +22,11 @@ REPO = Path(__file__).resolve().parent.parent
 QWEN3_8B_SHAPE = dict(vocab_size=151936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
                       num_key_value_heads=8, head_dim=128, intermediate_size=12288,
                       max_position_embeddings=40960, rope_theta=1e6)
+# The ~27B shape of the original 8-GPU incident (issue 8).
+QWEN3_27B_SHAPE = dict(vocab_size=151936, hidden_size=5120, num_hidden_layers=64, num_attention_heads=64,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=25600,
+                       max_position_embeddings=40960, rope_theta=1e6)
+SHAPES = {"qwen3-8b": QWEN3_8B_SHAPE, "qwen3-27b": QWEN3_27B_SHAPE}
 QWEN3_MASK_TOKEN_ID = 151669
 H200_BF16_MATMUL_TFLOPS = 790.0   # measured-class dense bf16 GEMM rate of one H200 (spec sheet: 989)
 H200_HBM_TB_PER_S = 4.8
@@ -443,14 +448,16 @@ def child_env(*, tiny: bool, **extra) -> dict:
 
 
 # ------------------------------------------------------------------------------ row 4: end to end
-def e2e_stage(overrides: list[str], *, num_procs: int, work: Path, tiny: bool, timeout_s: float) -> dict:
-    """The real launcher under torchrun: t1d<G-1> on G processes; returns its summary.json."""
+def e2e_stage(overrides: list[str], *, topology, work: Path, tiny: bool, timeout_s: float) -> dict:
+    """The real launcher under torchrun with `topology` (a launcher.topology.Topology), one process
+    per rank; returns its summary.json."""
     import shutil
 
     run_dir = work / "e2e"
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={num_procs}",
-           "-m", "launcher.train", f"topology=t1d{num_procs - 1}", *overrides, f"run.dir={run_dir}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={topology.world_size}",
+           "-m", "launcher.train", f"topology=t{topology.num_targets}d{topology.num_drafters}", *overrides,
+           f"run.dir={run_dir}",
            f"isolation.cache_root={work / 'compile_cache'}"]
     progress("end to end: " + " ".join(cmd[1:]))
     code, tail = stream(cmd, env=child_env(tiny=tiny), timeout_s=timeout_s, prefix="e2e")

@@ -209,8 +209,9 @@ def run_drafter(ctx: Context) -> dict:
     ckpt_root = ctx.run_dir / "checkpoints"
     if ctx.resume_from is not None:
         trainer.load_state(checkpoint.load(ctx.resume_from)[1])
+    compile_s = None   # the warm-up, or else the first step: when this process compiles
     if cfg.run.warm_up is True or (cfg.run.warm_up == "auto" and cfg.data.fixed_length is not None):
-        seconds = trainer.warm_up(cfg.train.micro_batch_size, cfg.data.fixed_length, sched.eval_batches > 0)
+        seconds = compile_s = trainer.warm_up(cfg.train.micro_batch_size, cfg.data.fixed_length, sched.eval_batches > 0)
         log.info("warm-up compiled the step for [%d, %d] in %.1fs (flex compiles: %d)",
                  cfg.train.micro_batch_size, cfg.data.fixed_length, seconds, compile_count())
     dist.barrier(group=ctx.groups.startup)
@@ -233,6 +234,7 @@ def run_drafter(ctx: Context) -> dict:
         trainer.wait_s += t1 - t0
         trainer.compute_s += t2 - t1
         if step == ctx.start_step:
+            compile_s = compile_s if compile_s is not None else t2 - t1
             log.info("first step took %.1fs (includes compilation); flex compiles so far: %d", t2 - t1,
                      compile_count())
         for p in payloads:
@@ -260,7 +262,7 @@ def run_drafter(ctx: Context) -> dict:
     receiver.close([topo.unit_leader(u) for u in range(topo.num_units)])
     seq_log.close()
     result = {**run_stats.result(), "recv_wait_s": trainer.wait_s, "step_s": trainer.compute_s,
-              "items": len(receiver.received), "compiles": compile_count()}
+              "items": len(receiver.received), "compiles": compile_count(), "compile_s": compile_s}
     if trainer.is_lead:
         sink.close()
         log.info("curves: %s", plot_run(ctx.run_dir))

@@ -24,6 +24,7 @@ def write_summary(ctx: Context, per_rank: list[dict]) -> dict:
         "first_loss": lead["first_loss"],
         "last_loss": lead["last_loss"],
         "compiles": {s["rank"]: s["compiles"] for s in drafters},
+        "compile_s": {s["rank"]: s["compile_s"] for s in drafters},
         "target_idle_fraction": _mean(s["send_wait_s"] / s["wall_s"] for s in targets),
         "drafter_idle_fraction": _mean(s["recv_wait_s"] / s["wall_s"] for s in drafters),
         "channel_gb_per_s": sum(s["bytes_sent"] for s in targets) / wall / 1e9 if wall > 0 else 0.0,
@@ -32,12 +33,12 @@ def write_summary(ctx: Context, per_rank: list[dict]) -> dict:
     }
     (ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     _to_tensorboard(ctx.run_dir, summary, targets)
-    rows = [("rank", "role", "items", "busy s", "waiting s", "wall s", "compiles")]
+    rows = [("rank", "role", "items", "busy s", "waiting s", "wall s", "compiles", "compile s")]
     for s in sorted(per_rank, key=lambda s: s["rank"]):
         busy = s.get("forward_s", s.get("step_s", 0.0))
         waiting = s.get("send_wait_s", s.get("recv_wait_s", 0.0))
         rows.append((s["rank"], s["role"], s["items"], f"{busy:.2f}", f"{waiting:.2f}", f"{s['wall_s']:.2f}",
-                     s.get("compiles", "-")))
+                     s.get("compiles", "-"), _seconds(s.get("compile_s"))))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     table = "\n".join("  ".join(str(v).rjust(w) for v, w in zip(r, widths)) for r in rows)
     log.info("run summary (%s)\n%s\nsteps %d  tokens %d  wall %.1fs  %.0f tokens/s (%.0f steady)  loss (mean of 10 steps) %.4f -> %.4f  "
@@ -58,6 +59,10 @@ def _to_tensorboard(run_dir, summary: dict, targets: list[dict]) -> None:
             writer.add_scalar(f"summary/{key}", summary[key], summary["steps"])
         for stats in targets:
             writer.add_scalar(f"summary/target{stats['rank']}_tokens_per_s", stats["tokens_per_s"], summary["steps"])
+
+
+def _seconds(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _mean(values) -> float:

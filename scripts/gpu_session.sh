@@ -2,6 +2,10 @@
 # Checks to run through the device tool, stage by stage, each writing its log to $OUT:
 #   bash scripts/gpu_session.sh debug train fault evaluate drafter   (~8 min on nvidia-h200-x2)
 #   bash scripts/gpu_session.sh bench                                (~8 min)
+# On nvidia-h200-x8 (issue 8: the original incident's 8-GPU shape, a Qwen3-27B-shaped target), two calls
+# while the machine stays warm (the second reuses /tmp/b27's compile cache):
+#   bash scripts/gpu_session.sh incident                             (stage rates, 8-GPU split advice)
+#   TOPO=t5d3 bash scripts/gpu_session.sh incident-e2e               (then TOPO=<the advice> if it differs)
 # carry: [".whl"] (hydra-core, omegaconf, antlr4 wheels; README, Development).
 set -u
 export PYTHONUNBUFFERED=1
@@ -38,5 +42,10 @@ for s in "$@"; do case $s in
   bench) stage bench timeout $(left 580) python3 -m launcher.bench --out "$OUT/bench.json" ${BENCH_ARGS:-} ;;
   drafter) stage drafter timeout $(left 400) python3 -m launcher.bench --skip-target --skip-e2e \
              --skip-baseline --seq 4096 --profile --out "$OUT/drafter.json" ${BENCH_ARGS:-} ;;
+  incident) stage incident timeout $(left 580) python3 -m launcher.bench --shape qwen3-27b --seq 4096 \
+              --skip-e2e --skip-baseline --e2e-topology t5d3 --work-dir /tmp/b27 --out "$OUT/incident.json" ;;
+  incident-e2e) stage "incident_${TOPO:-t5d3}" timeout $(left 580) python3 -m launcher.bench --shape qwen3-27b \
+                  --seq 4096 --skip-target --skip-drafter --skip-baseline --e2e-topology "${TOPO:-t5d3}" \
+                  --e2e-steps 200 --e2e-timeout 570 --work-dir /tmp/b27 --out "$OUT/incident_${TOPO:-t5d3}.json" ;;
   *) echo "unknown stage $s" ;;
 esac; done
