@@ -167,6 +167,7 @@ def test_tiny_harness_end_to_end(tmp_path, tiny_target_dir):
     assert e2e["row"] == "end to end t1d1" and e2e["tokens_per_s"] > 0 and e2e["pipeline_efficiency"] > 0
     assert 0 <= e2e["target_idle_fraction"] <= 1 and 0 <= e2e["drafter_idle_fraction"] <= 1
     assert e2e["channel_gb_per_s"] > 0 and list(e2e["compiles_per_drafter"]) == ["1"]
+    assert list(e2e["compile_s_per_drafter"]) == ["1"] and e2e["compile_s_per_drafter"]["1"] > 0
     assert all(r["advice"]["2"] == "t1d1" and r["advice"]["8"].startswith("t") for r in by_n[5])
     baseline, = by_n[6]
     assert baseline["failures"] == 0 and baseline["steps_done"] == baseline["steps_attempted"] > 0
