@@ -27,6 +27,16 @@ class ChannelError(RuntimeError):
     pass
 
 
+def _wait_all(works, comm_device: torch.device) -> None:
+    """Block the host until the transfers are done. NCCL's wait() only orders the current CUDA
+    stream after them, so without the synchronize the waiting would be booked as the next forward
+    or training step and the idle fractions would read ~0 on GPUs."""
+    for work in works:
+        work.wait()
+    if comm_device.type == "cuda":
+        torch.cuda.current_stream(comm_device).synchronize()
+
+
 @dataclass
 class Payload:
     item: Item
@@ -75,8 +85,7 @@ class Sender:
 
     def _wait_oldest(self) -> None:
         start = time.perf_counter()
-        for work, _ in self._in_flight.popleft():
-            work.wait()
+        _wait_all([work for work, _ in self._in_flight.popleft()], self.comm_device)
         self.wait_s += time.perf_counter() - start
 
     def close(self, drafter_ranks: list[int]) -> None:
@@ -132,8 +141,7 @@ class Receiver:
             self._pending = self._post(next(self._items))
         item, tensors, works, num_tokens = self._pending
         start = time.perf_counter()
-        for work in works:
-            work.wait()
+        _wait_all(works, self.comm_device)
         self.wait_s += time.perf_counter() - start
         nxt = next(self._items, None)
         self._pending = self._post(nxt) if nxt is not None else None
