@@ -169,71 +169,70 @@ def run(args) -> dict:
     ceiling = ceiling_row["tflops"]
     progress(f"matmul ceiling {ceiling:.1f} TFLOP/s ({ceiling_row['shape']})")
 
-    target_rows = []
-    if args.skip_target:
-        rows.append({"n": 2, "row": "target alone", "notes": "skipped (--skip-target)"})
-    else:
+    def measure_target():
         progress("row 2: target alone")
-        try:
-            target_rows = target_stage(hf_config, dcfg.target_layer_ids, device,
-                                       compute_dtype(cfg.target.dtype, device), args.seqs, warmup=args.warmup,
-                                       reps=args.steps, ceiling=ceiling)
-        except Exception as exc:  # noqa: BLE001 - a failed row must not cost the others
-            rows.append(_error_row(2, "target alone", exc))
+        return target_stage(hf_config, dcfg.target_layer_ids, device, compute_dtype(cfg.target.dtype, device),
+                            args.seqs, warmup=args.warmup, reps=args.steps, ceiling=ceiling)
+    target_rows = _measured(rows, 2, "target alone", measure_target,
+                            skipped="skipped (--skip-target)" if args.skip_target else None) or []
     rows += [{"n": 2, **r} for r in target_rows]
     _free(device)
 
-    drafter_rows = []
-    if args.skip_drafter:
-        rows.append({"n": 3, "row": "drafter alone", "notes": "skipped (--skip-drafter)"})
-    else:
+    def measure_drafter():
         progress("row 3: drafter alone (DrafterTrainer.train_step)")
-        try:
-            drafter_rows = drafter_stage(cfg, drafter_device, args.seqs, work=work, isolation=iso, warmup=args.warmup,
-                                         steps=args.steps, ceiling=ceiling, profile=args.profile)
-        except Exception as exc:  # noqa: BLE001
-            rows.append(_error_row(3, "drafter alone", exc))
-        rows += [{"n": 3, **r} for r in drafter_rows]
-        _free(drafter_device)
+        return drafter_stage(cfg, drafter_device, args.seqs, work=work, isolation=iso, warmup=args.warmup,
+                             steps=args.steps, ceiling=ceiling, profile=args.profile)
+    drafter_rows = _measured(rows, 3, "drafter alone", measure_drafter,
+                             skipped="skipped (--skip-drafter)" if args.skip_drafter else None) or []
+    rows += [{"n": 3, **r} for r in drafter_rows]
+    _free(drafter_device)
 
     target_rate = {r["seq_len"]: r["tokens_per_s"] for r in target_rows}
     drafter_rate = {r["seq_len"]: r["tokens_per_s"] for r in drafter_rows}
-    e2e_row = None
-    if args.skip_e2e:
-        rows.append({"n": 4, "row": "end to end", "notes": "skipped (--skip-e2e)"})
-    elif procs < 2:
-        rows.append({"n": 4, "row": "end to end", "notes": f"skipped: needs >= 2 GPUs, found {num_gpus}"})
-    else:
-        t, d = e2e_topology.num_targets, e2e_topology.num_drafters
-        progress(f"row 4: end to end, t{t}d{d} on {procs} {'GPUs' if cuda else 'CPU processes'}, "
+
+    def measure_e2e():
+        progress(f"row 4: end to end, {e2e_topology.spec} on {procs} {'GPUs' if cuda else 'CPU processes'}, "
                  f"S={args.e2e_seq}, {args.e2e_steps} steps")
-        try:
-            summary = e2e_stage(run_overrides(seq_len=args.e2e_seq, steps=args.e2e_steps, **over) + extra,
-                                topology=e2e_topology, work=work, tiny=args.tiny, timeout_s=args.e2e_timeout)
-            e2e_row = _e2e_row(summary, args.e2e_seq, target_rate, drafter_rate, t, d)
-            rows.append(e2e_row)
-        except Exception as exc:  # noqa: BLE001
-            rows.append(_error_row(4, "end to end", exc))
+        summary = e2e_stage(run_overrides(seq_len=args.e2e_seq, steps=args.e2e_steps, **over) + extra,
+                            topology=e2e_topology, work=work, tiny=args.tiny, timeout_s=args.e2e_timeout)
+        return _e2e_row(summary, args.e2e_seq, target_rate, drafter_rate, e2e_topology)
+    e2e_skipped = ("skipped (--skip-e2e)" if args.skip_e2e
+                   else f"skipped: needs >= 2 GPUs, found {num_gpus}" if procs < 2 else None)
+    e2e_row = _measured(rows, 4, "end to end", measure_e2e, skipped=e2e_skipped)
+    if e2e_row:
+        rows.append(e2e_row)
 
     for seq_len in args.seqs:
         if seq_len in target_rate and seq_len in drafter_rate:
             rows.append(_balance_row(seq_len, target_rate[seq_len], drafter_rate[seq_len], max(procs, 2)))
 
-    if args.skip_baseline:
-        rows.append({"n": 6, "row": "thread baseline", "notes": "skipped (--skip-baseline)"})
-    else:
+    def measure_baseline():
         progress(f"row 6: thread baseline (old design), S={args.e2e_seq}")
-        try:
-            result = baseline_stage(_baseline_spec(args, dcfg, target_dir, cfg, num_gpus, cuda), work=work,
-                                    tiny=args.tiny, timeout_s=args.baseline_timeout,
-                                    cache_dir=None if args.baseline_cold_cache else iso.cache_dir)
-            rows.append(_baseline_row(result, e2e_row))
-        except Exception as exc:  # noqa: BLE001
-            rows.append(_error_row(6, "thread baseline", exc))
+        result = baseline_stage(_baseline_spec(args, dcfg, target_dir, cfg, num_gpus, cuda), work=work,
+                                tiny=args.tiny, timeout_s=args.baseline_timeout,
+                                cache_dir=None if args.baseline_cold_cache else iso.cache_dir)
+        return _baseline_row(result, e2e_row)
+    baseline_row = _measured(rows, 6, "thread baseline", measure_baseline,
+                             skipped="skipped (--skip-baseline)" if args.skip_baseline else None)
+    if baseline_row:
+        rows.append(baseline_row)
 
     if not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)
     return {"meta": meta, "rows": rows}
+
+
+def _measured(rows: list[dict], n: int, name: str, measure, *, skipped: str | None):
+    """Row n's measurement: None, with a note row, when `skipped` says why; None, with an error row,
+    when it raises (a failed row must not cost the others); else what `measure()` returns."""
+    if skipped:
+        rows.append({"n": n, "row": name, "notes": skipped})
+        return None
+    try:
+        return measure()
+    except Exception as exc:  # noqa: BLE001
+        rows.append(_error_row(n, name, exc))
+        return None
 
 
 def _free(device: torch.device) -> None:
@@ -243,14 +242,15 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _e2e_row(summary: dict, seq_len: int, target_rate: dict, drafter_rate: dict, t: int, d: int) -> dict:
+def _e2e_row(summary: dict, seq_len: int, target_rate: dict, drafter_rate: dict, topology) -> dict:
+    t, d = topology.num_targets, topology.num_drafters
     steady = summary["steady_tokens_per_s"]
     bound = None
     if seq_len in target_rate and seq_len in drafter_rate:
         bound = min(target_rate[seq_len] * t, drafter_rate[seq_len] * d)
     efficiency = steady / bound if bound else None
     compiles = summary.get("compiles", {})
-    return {"n": 4, "row": f"end to end t{t}d{d}", "seq_len": seq_len, "tokens_per_s": steady,
+    return {"n": 4, "row": f"end to end {topology.spec}", "seq_len": seq_len, "tokens_per_s": steady,
             "ms_per_step": 1e3 * seq_len * d / steady if steady else None,
             "pipeline_efficiency": efficiency, "stage_bound_tokens_per_s": bound,
             "target_idle_fraction": summary["target_idle_fraction"],

@@ -456,8 +456,7 @@ def e2e_stage(overrides: list[str], *, topology, work: Path, tiny: bool, timeout
     run_dir = work / "e2e"
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={topology.world_size}",
-           "-m", "launcher.train", f"topology=t{topology.num_targets}d{topology.num_drafters}", *overrides,
-           f"run.dir={run_dir}",
+           "-m", "launcher.train", f"topology={topology.spec}", *overrides, f"run.dir={run_dir}",
            f"isolation.cache_root={work / 'compile_cache'}"]
     progress("end to end: " + " ".join(cmd[1:]))
     code, tail = stream(cmd, env=child_env(tiny=tiny), timeout_s=timeout_s, prefix="e2e")

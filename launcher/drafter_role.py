@@ -211,9 +211,9 @@ def run_drafter(ctx: Context) -> dict:
         trainer.load_state(checkpoint.load(ctx.resume_from)[1])
     compile_s = None   # the warm-up, or else the first step: when this process compiles
     if cfg.run.warm_up is True or (cfg.run.warm_up == "auto" and cfg.data.fixed_length is not None):
-        seconds = compile_s = trainer.warm_up(cfg.train.micro_batch_size, cfg.data.fixed_length, sched.eval_batches > 0)
+        compile_s = trainer.warm_up(cfg.train.micro_batch_size, cfg.data.fixed_length, sched.eval_batches > 0)
         log.info("warm-up compiled the step for [%d, %d] in %.1fs (flex compiles: %d)",
-                 cfg.train.micro_batch_size, cfg.data.fixed_length, seconds, compile_count())
+                 cfg.train.micro_batch_size, cfg.data.fixed_length, compile_s, compile_count())
     dist.barrier(group=ctx.groups.startup)
     drafter_index = topo.drafter_index(ctx.rank)
     receiver = Receiver(sched.items_for_drafter(drafter_index, ctx.start_step), topo.unit_leader,
@@ -234,7 +234,8 @@ def run_drafter(ctx: Context) -> dict:
         trainer.wait_s += t1 - t0
         trainer.compute_s += t2 - t1
         if step == ctx.start_step:
-            compile_s = compile_s if compile_s is not None else t2 - t1
+            if compile_s is None:
+                compile_s = t2 - t1
             log.info("first step took %.1fs (includes compilation); flex compiles so far: %d", t2 - t1,
                      compile_count())
         for p in payloads:

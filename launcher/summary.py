@@ -15,7 +15,7 @@ def write_summary(ctx: Context, per_rank: list[dict]) -> dict:
     summary = {
         "steps": ctx.cfg.train.steps,
         "start_step": ctx.start_step,
-        "topology": f"t{ctx.topo.num_targets}d{ctx.topo.num_drafters}",
+        "topology": ctx.topo.spec,
         "tokens": lead["tokens"],
         "wall_s": wall,
         "tokens_per_s": lead["tokens"] / wall if wall > 0 else 0.0,

@@ -24,6 +24,11 @@ class Topology:
         return self.num_targets + self.num_drafters
 
     @property
+    def spec(self) -> str:
+        """The `topology=` value naming this split (tp_size is configured apart)."""
+        return f"t{self.num_targets}d{self.num_drafters}"
+
+    @property
     def num_units(self) -> int:
         return self.num_targets // self.tp_size
 
