@@ -24,6 +24,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from dflash_core.data import file_digest
 from launcher.config import ConfigError, compose_config, require, resolve_device
 from launcher.rundir import log, setup_logging
 
@@ -194,11 +195,7 @@ def answer(model, tokenizer, prompts: list[Prompt], gen_config, stop_ids: list[i
 # ----------------------------------------------------------------------------- part files
 def _fingerprint(cfg: DictConfig, world: int) -> str:
     settings = {key: OmegaConf.to_container(cfg.regenerate, resolve=True)[key] for key in _FINGERPRINT_KEYS}
-    digest = hashlib.sha256()
-    with open(input_path(cfg), "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    state = json.dumps({"settings": settings, "input": digest.hexdigest(),
+    state = json.dumps({"settings": settings, "input": file_digest(input_path(cfg)),
                         "target": str(Path(cfg.target.path).resolve()), "world": world}, sort_keys=True, default=str)
     return hashlib.sha256(state.encode()).hexdigest()[:16]
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-import dflash_core.data as data
+import dflash_core.data.tokenize as data
 from dflash_core.data import DataError, MicroBatchSource, load_samples
 from dflash_core.tiny import BUNDLED_DATASET
 
