@@ -13,8 +13,9 @@ A single `mask_mod` (built by `make_mask_mod`) defines who sees what. Both backe
 
 import torch
 import torch.nn.functional as F
-from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from .compile import compiled_function
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 BACKENDS = ("auto", "flex", "sdpa")
@@ -71,27 +72,11 @@ def dense_mask(mask_mod, batch, q_len, kv_len, device):
 
 # Compiled once per process; shapes are static (fixed anchor count and sequence length), so
 # a process compiles each of these once per layer type. CPU flex has no backward: see attend.
-_compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+_compiled_flex_attention = compiled_function("flex_attention", flex_attention)
 # Compiled on CUDA so the dense [Q, KV] mask is never materialised there. On CPU the eager
 # version is used: inductor's CPU codegen fails on this mask_mod (torch 2.13: VecMask<int>
 # vs VecMask<float> in the padded reduction), and a dense mask is harmless on CPU.
-_compiled_create_block_mask = torch.compile(create_block_mask, dynamic=False)
-_compiles = {"flex_attention": 0, "create_block_mask": 0, "drafter_layer": 0, "head_loss": 0}
-
-
-def counting(name, fn, *args, **kwargs):
-    """Call a compiled fn and attribute any dynamo graphs compiled meanwhile to `name`."""
-    before = counters["stats"]["unique_graphs"]
-    out = fn(*args, **kwargs)
-    _compiles[name] += counters["stats"]["unique_graphs"] - before
-    return out
-
-
-def compile_count(name=None):
-    """Dynamo graphs compiled by the drafter in this process (all, or one of
-    "flex_attention", "create_block_mask", "drafter_layer", "head_loss"). Steady-state training
-    must not increase it."""
-    return sum(_compiles.values()) if name is None else _compiles[name]
+_compiled_create_block_mask = compiled_function("create_block_mask", create_block_mask)
 
 
 def resolve_backend(backend, device):
@@ -114,8 +99,7 @@ def build_attention_mask(anchors, keep, *, context_len, block_size, layer_type, 
         return dense_mask(mask_mod, batch, q_len, kv_len, anchors.device)
     if anchors.device.type != "cuda":
         return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=anchors.device)
-    return counting("create_block_mask", _compiled_create_block_mask,
-                     mask_mod, batch, None, q_len, kv_len, device=anchors.device)
+    return _compiled_create_block_mask(mask_mod, batch, None, q_len, kv_len, device=anchors.device)
 
 
 def attend(q, k, v, mask):
@@ -129,8 +113,7 @@ def attend(q, k, v, mask):
             # CPU flex has no backward, and a compiled call with grad-requiring inputs makes
             # dynamo skip the function for the rest of the process. Fail loudly instead.
             raise RuntimeError("flex backend has no backward on CPU; use backend='sdpa'")
-        return counting("flex_attention", _compiled_flex_attention, q, k, v, block_mask=mask,
-                         enable_gqa=q.shape[1] != k.shape[1])
+        return _compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     # Expand KV heads rather than enable_gqa: SDPA's memory-efficient CUDA kernel takes a
     # mask but not GQA, and the math fallback would store [B, H, Q, KV] scores.
     group = q.shape[1] // k.shape[1]

@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import LAYER_TYPES, attend, build_attention_mask, counting
+from .attention import LAYER_TYPES, attend, build_attention_mask
+from .compile import compiled_function
 
 
 def default_target_layer_ids(num_target_layers, num_layers):
@@ -164,15 +165,24 @@ class DrafterAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def _heads(self, x, num_heads):
-        return x.view(*x.shape[:2], num_heads, self.head_dim)
+        """[B, P, heads * D] -> [B, heads, P, D]."""
+        return x.view(*x.shape[:2], num_heads, self.head_dim).transpose(1, 2)
 
-    def forward(self, h, ctx, q_rope, kv_rope, mask):
-        """h [B, Q, H] block states (normed), ctx [B, S, H] context -> [B, Q, H]."""
-        context_and_block = torch.cat([ctx, h], dim=1)
-        q = self.q_norm(self._heads(self.q_proj(h), self.num_heads)).transpose(1, 2)
-        k = self.k_norm(self._heads(self.k_proj(context_and_block), self.num_kv_heads)).transpose(1, 2)
-        v = self._heads(self.v_proj(context_and_block), self.num_kv_heads).transpose(1, 2)
-        q, k = apply_rope(q, *q_rope), apply_rope(k, *kv_rope)
+    def keys_values(self, x, rope):
+        """x [B, P, H] at positions with cos/sin `rope` -> RoPE'd keys and values [B, Hkv, P, D].
+        Used for the context (once per forward, or once per position when cached for decoding)
+        and for the block itself."""
+        k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), *rope)
+        return k, self._heads(self.v_proj(x), self.num_kv_heads)
+
+    def forward(self, h, context_kv, rope, mask):
+        """h [B, Q, H] block states (normed); context_kv: the context's keys and values from
+        `keys_values`; rope: the block positions' cos/sin -> [B, Q, H]. Queries come from the
+        block only, keys and values from [context | block]."""
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(h), self.num_heads)), *rope)
+        block_k, block_v = self.keys_values(h, rope)
+        k = torch.cat([context_kv[0], block_k], dim=2)
+        v = torch.cat([context_kv[1], block_v], dim=2)
         out = attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
@@ -196,29 +206,28 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, ctx, q_rope, kv_rope, mask):
+    def forward(self, h, context_kv, rope, mask):
         # The context is already normalised by hidden_norm: only the block goes through
         # input_layernorm.
-        h = h + self.self_attn(self.input_layernorm(h), ctx, q_rope, kv_rope, mask)
+        h = h + self.self_attn(self.input_layernorm(h), context_kv, rope, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-def _call_layer(layer, h, ctx, q_rope, kv_rope, mask):
-    return layer(h, ctx, q_rope, kv_rope, mask)
+def _layer_over_context(layer, h, ctx, context_rope, rope, mask):
+    return layer(h, layer.self_attn.keys_values(ctx, context_rope), rope, mask)
 
 
 # One compiled graph serves every layer instance (dynamo inlines nn.Modules, so parameters are
 # graph inputs, not constants); the first layer compiles a second graph, its input being the frozen
 # embeddings (no grad). Fuses the norms, RoPE, SiLU and residuals around the GEMMs and the
 # flex_attention call traced into the same graph.
-_compiled_call_layer = torch.compile(_call_layer, dynamic=False)
+_compiled_layer_over_context = compiled_function("drafter_layer", _layer_over_context)
 
 
 class DFlashDrafter(nn.Module):
     def __init__(self, cfg, *, seed=None):
         super().__init__()
         self.config = cfg
-        self.compiled = False   # see compile_layers
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.fc = nn.Linear(cfg.num_features * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -238,38 +247,34 @@ class DFlashDrafter(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
 
-    def compile_layers(self, enabled=True):
-        """Run the decoder layers (and the fused head loss, see objective.py) through
-        torch.compile with static shapes: one compilation per process at the first step."""
-        self.compiled = enabled
-        return self
+    def context(self, context_features):
+        """Target features [B, S, L*H] -> the drafter's context states [B, S, H]."""
+        return self.hidden_norm(self.fc(context_features))
 
-    def forward(self, context_features, block_embeds, anchors, keep, *, backend="auto"):
+    def forward(self, context_features, block_embeds, anchors, keep, *, backend="auto", compiled=False):
         """context_features [B, S, L*H], block_embeds [B, N*Bs, H], anchors/keep [B, N]
-        -> final-normed block hidden states [B, N*Bs, H]."""
+        -> final-normed block hidden states [B, N*Bs, H]. compiled: run each layer through its
+        torch.compile'd graph (static shapes: one compilation per process)."""
         cfg = self.config
         batch, context_len, _ = context_features.shape
         if not torch.is_autocast_enabled(context_features.device.type):
             # Without autocast, compute in the parameter dtype (features arrive in bf16).
             context_features = context_features.to(self.fc.weight.dtype)
             block_embeds = block_embeds.to(self.fc.weight.dtype)
-        ctx = self.hidden_norm(self.fc(context_features))
+        ctx = self.context(context_features)
 
         slot = torch.arange(cfg.block_size, device=anchors.device)
         block_positions = (anchors.unsqueeze(-1) + slot).flatten(1)
         context_positions = torch.arange(context_len, device=anchors.device).expand(batch, -1)
-        q_rope = rope_cos_sin(block_positions, cfg.head_dim, cfg.rope_theta)
-        kv_rope = rope_cos_sin(torch.cat([context_positions, block_positions], dim=1),
-                               cfg.head_dim, cfg.rope_theta)
+        rope = rope_cos_sin(block_positions, cfg.head_dim, cfg.rope_theta)
+        context_rope = rope_cos_sin(context_positions, cfg.head_dim, cfg.rope_theta)
 
         masks = {layer_type: build_attention_mask(
                      anchors, keep, context_len=context_len, block_size=cfg.block_size,
                      layer_type=layer_type, window=cfg.sliding_window, backend=backend)
                  for layer_type in dict.fromkeys(cfg.layer_types)}
+        run_layer = _compiled_layer_over_context if compiled else _layer_over_context
         h = block_embeds
         for layer, layer_type in zip(self.layers, cfg.layer_types):
-            if self.compiled:
-                h = counting("drafter_layer", _compiled_call_layer, layer, h, ctx, q_rope, kv_rope, masks[layer_type])
-            else:
-                h = layer(h, ctx, q_rope, kv_rope, masks[layer_type])
+            h = run_layer(layer, h, ctx, context_rope, rope, masks[layer_type])
         return self.norm(h)

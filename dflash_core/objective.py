@@ -5,13 +5,13 @@ by the weight sum of the whole global batch (all drafter ranks, all accumulation
 the result does not depend on how the batch was split.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 
 from .anchors import all_valid_anchors, sample_anchors
-from .attention import counting
+from .compile import compiled_function
 
 LOSS_TYPES = ("dflash", "dpace")
 # Decay constants of the DFlash recipe, indexed by block size.
@@ -31,14 +31,66 @@ def default_gamma(block_size):
     return max(1.0, _KNOWN_GAMMAS[lower] + slope * (block_size - lower))
 
 
+_SCALARS = ("loss_sum", "weight_sum", "tau_sum", "tau_count", "anchor_slots", "tokens")
+
+
 @dataclass
-class StepOutput:
-    loss_sum: torch.Tensor      # weighted CE sum, carries the graph; not normalised
-    weight_sum: torch.Tensor    # detached sum of the loss weights
+class StepCounts:
+    """Sums that add across micro-batches, accumulation steps and drafter ranks. Training,
+    held-out evaluation and `evaluate_tau` all report these; `summary()` turns them into means."""
+    loss_sum: torch.Tensor      # weighted CE sum (detached)
+    weight_sum: torch.Tensor    # sum of the loss weights
+    tau_sum: torch.Tensor       # sum over valid blocks of 1 + leading correct slots
+    tau_count: torch.Tensor     # valid blocks (real anchors)
+    anchor_slots: torch.Tensor  # anchor slots computed, valid or padding
+    tokens: torch.Tensor        # non-padding context tokens (set by the caller)
     slot_correct: torch.Tensor  # [Bs] argmax hits over supervised positions (slot 0 stays 0)
     slot_weight: torch.Tensor   # [Bs] supervised positions per slot
-    tau_sum: torch.Tensor       # sum over valid blocks of 1 + leading correct slots
-    tau_count: torch.Tensor     # number of valid blocks
+
+    @classmethod
+    def zeros(cls, block_size, device=None):
+        scalar = torch.zeros((), dtype=torch.float64, device=device)
+        slots = torch.zeros(block_size, dtype=torch.float64, device=device)
+        return cls(*[scalar] * len(_SCALARS), slots, slots)
+
+    def __add__(self, other):
+        return StepCounts(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    def pack(self):
+        """One float64 vector [len(_SCALARS) + 2 * Bs]: a single all-reduce carries everything."""
+        scalars = torch.stack([torch.as_tensor(getattr(self, name)).double().reshape(()) for name in _SCALARS])
+        return torch.cat([scalars, self.slot_correct.double(), self.slot_weight.double()])
+
+    @classmethod
+    def unpack(cls, packed):
+        n = len(_SCALARS)
+        correct, weight = packed[n:].chunk(2)
+        return cls(*packed[:n].unbind(), correct, weight)
+
+    def all_reduce(self, group=None):
+        import torch.distributed as dist
+        packed = self.pack()
+        dist.all_reduce(packed, group=group)
+        return StepCounts.unpack(packed)
+
+    def summary(self):
+        """Means: loss, tau, per-slot accuracy acc_k (k = 1..Bs-1) and its mean, EAL =
+        1 + sum_k prod_{i<=k} acc_i, and anchor_fill = valid anchor slots / all slots."""
+        acc = (self.slot_correct[1:] / self.slot_weight[1:].clamp(min=1)).double()
+        return {
+            "loss": float(self.loss_sum / self.weight_sum.clamp(min=1e-12)),
+            "tau": float(self.tau_sum / self.tau_count.clamp(min=1)),
+            "acc": float(acc.mean()),
+            "acc_k": acc.tolist(),
+            "eal": float(1 + torch.cumprod(acc, dim=0).sum()),
+            "anchor_fill": float(self.tau_count / self.anchor_slots.clamp(min=1)),
+        }
+
+
+@dataclass
+class StepOutput:
+    loss_sum: torch.Tensor  # weighted CE sum with its graph; not normalised (see module docstring)
+    counts: StepCounts
 
 
 def block_input_ids(input_ids, anchors, block_size, mask_token_id):
@@ -106,7 +158,7 @@ def _head_loss_terms(logits, labels, weights, loss_type, gamma, alpha):
 
 # The same terms as one or two fused kernels: the [rows, V] fp32 temporaries above cost ~10 passes
 # over 0.3 GB per chunk in eager mode (~12 ms of an 8B-shaped step on H200).
-_compiled_head_loss_terms = torch.compile(_head_loss_terms, dynamic=False)
+_compiled_head_loss_terms = compiled_function("head_loss", _head_loss_terms)
 
 
 class _FusedHeadLoss(torch.autograd.Function):
@@ -123,8 +175,7 @@ class _FusedHeadLoss(torch.autograd.Function):
         rows = h.reshape(-1, h.shape[-1]).to(head_weight.dtype)
         logits = rows @ head_weight.T
         args = (logits, labels, weights, loss_type, gamma, alpha)
-        ce, final, correct, grad_logits = (counting("head_loss", _compiled_head_loss_terms, *args) if compiled
-                                           else _head_loss_terms(*args))
+        ce, final, correct, grad_logits = (_compiled_head_loss_terms if compiled else _head_loss_terms)(*args)
         ctx.save_for_backward((grad_logits @ head_weight).to(h.dtype).view_as(h))
         weight_sum = final.sum()
         ctx.mark_non_differentiable(weight_sum, correct)
@@ -137,14 +188,14 @@ class _FusedHeadLoss(torch.autograd.Function):
 
 
 def _run_blocks(drafter, head, input_ids, loss_mask, features, anchors, keep, *,
-                loss_type, gamma, alpha, backend, chunk_blocks):
+                loss_type, gamma, alpha, backend, chunk_blocks, compiled):
     """Drafter forward on the given blocks, then the loss in chunks of `chunk_blocks` blocks
     (with grad: `_FusedHeadLoss`), so the [N*Bs, V] logits never exist at once.
     `drafter` may be wrapped (DDP, FSDP): it is called as is, its config read from .module."""
     model = getattr(drafter, "module", drafter)
     cfg = model.config
     block_ids = block_input_ids(input_ids, anchors, cfg.block_size, cfg.mask_token_id)
-    h = drafter(features, head.embed(block_ids), anchors, keep, backend=backend)
+    h = drafter(features, head.embed(block_ids), anchors, keep, backend=backend, compiled=compiled)
     h = h.view(*anchors.shape, cfg.block_size, -1)
     labels, weights = block_labels(input_ids, loss_mask, anchors, keep, cfg.block_size)
     gamma = default_gamma(cfg.block_size) if gamma is None else gamma
@@ -154,7 +205,7 @@ def _run_blocks(drafter, head, input_ids, loss_mask, features, anchors, keep, *,
         part = slice(start, start + chunk_blocks)
         if torch.is_grad_enabled():
             chunk = _FusedHeadLoss.apply(h[:, part], head.lm_head_weight, labels[:, part], weights[:, part],
-                                         loss_type, gamma, alpha, getattr(model, "compiled", False))
+                                         loss_type, gamma, alpha, compiled)
         else:
             chunk = _chunk_loss(h[:, part], labels[:, part], weights[:, part], head, loss_type, gamma, alpha)
         loss_sum = loss_sum + chunk[0]
@@ -163,34 +214,23 @@ def _run_blocks(drafter, head, input_ids, loss_mask, features, anchors, keep, *,
     return loss_sum, weight_sum, torch.cat(correct, dim=1), weights
 
 
-def _acceptance_counts(correct, weights, keep):
-    """-> slot_correct [Bs], slot_weight [Bs], tau_sum, tau_count (float tensors)."""
+def _counts(loss_sum, weight_sum, correct, weights, keep):
+    """StepCounts of one forward's blocks (tokens left 0: the caller knows the padding)."""
     supervised = weights > 0
     hit = correct & supervised
-    slot_correct = hit.sum(dim=(0, 1)).float()
-    slot_weight = supervised.sum(dim=(0, 1)).float()
     accepted = torch.cumprod(hit[..., 1:].long(), dim=-1).sum(dim=-1)
-    tau_sum = ((1 + accepted) * keep).sum().float()
-    return slot_correct, slot_weight, tau_sum, keep.sum().float()
-
-
-def acceptance_summary(slot_correct, slot_weight, tau_sum, tau_count):
-    """Means from (possibly all-reduced) counts: tau, acc_k for k = 1..Bs-1, and
-    EAL = 1 + sum_k prod_{i<=k} acc_i."""
-    acc = (slot_correct[1:] / slot_weight[1:].clamp(min=1)).double()
-    return {
-        "tau": float(tau_sum / tau_count.clamp(min=1)),
-        "acc": acc.tolist(),
-        "eal": float(1 + torch.cumprod(acc, dim=0).sum()),
-    }
+    scalars = [loss_sum, weight_sum, ((1 + accepted) * keep).sum(), keep.sum(), keep.numel(), 0]
+    return StepCounts(*[torch.as_tensor(x, dtype=torch.float64, device=keep.device).detach() for x in scalars],
+                      hit.sum(dim=(0, 1)).double(), supervised.sum(dim=(0, 1)).double())
 
 
 def drafter_step(drafter, head, input_ids, loss_mask, hidden, *, num_anchors=512, generator=None,
                  loss_type="dflash", gamma=None, alpha=0.5, backend="auto", chunk_blocks=32,
-                 feature_noise_std=0.0, fixed_anchors=None):
+                 feature_noise_std=0.0, fixed_anchors=None, compiled=False) -> StepOutput:
     """Forward + loss for one micro-batch. input_ids/loss_mask [B, S], hidden [B, S, L*H].
     gamma None -> default_gamma(block_size). fixed_anchors: optional (anchors, keep) used
-    instead of sampling. Feature noise draws from the global RNG of hidden's device."""
+    instead of sampling. Feature noise draws from the global RNG of hidden's device.
+    compiled: the drafter's layers and the head-loss terms run through torch.compile."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
     if fixed_anchors is None:
@@ -202,19 +242,18 @@ def drafter_step(drafter, head, input_ids, loss_mask, hidden, *, num_anchors=512
         features = hidden + feature_noise_std * torch.randn_like(hidden)
     loss_sum, weight_sum, correct, weights = _run_blocks(
         drafter, head, input_ids, loss_mask, features, anchors, keep, loss_type=loss_type,
-        gamma=gamma, alpha=alpha, backend=backend, chunk_blocks=chunk_blocks)
-    return StepOutput(loss_sum, torch.as_tensor(weight_sum, device=input_ids.device),
-                      *_acceptance_counts(correct, weights, keep))
+        gamma=gamma, alpha=alpha, backend=backend, chunk_blocks=chunk_blocks, compiled=compiled)
+    return StepOutput(loss_sum, _counts(loss_sum, weight_sum, correct, weights, keep))
 
 
 @torch.no_grad()
 def evaluate_tau(drafter, head, input_ids, loss_mask, hidden, *, backend="auto",
-                 num_anchors=512, chunk_blocks=32):
+                 num_anchors=512, chunk_blocks=32, compiled=False) -> StepCounts:
     """Simulated acceptance with an anchor at every valid position, `num_anchors` blocks per
-    forward (use the training count to reuse the compiled shapes). Returns the summary
-    (tau, acc, eal), the dflash-weighted loss, and the raw counts for cross-rank sums."""
+    forward (use the training count to reuse the compiled shapes), dflash-weighted loss.
+    Returns the counts (`.summary()` gives tau, acc, eal, loss) for cross-rank sums."""
     anchors, keep = all_valid_anchors(loss_mask, multiple_of=num_anchors)
-    totals = [0.0] * 6  # loss_sum, weight_sum, slot_correct, slot_weight, tau_sum, tau_count
+    totals = StepCounts.zeros(getattr(drafter, "module", drafter).config.block_size, input_ids.device)
     for start in range(0, anchors.shape[1], num_anchors):
         part = slice(start, start + num_anchors)
         # Contiguous chunks: a slice's strides depend on this batch's anchor count, and compiled
@@ -222,17 +261,7 @@ def evaluate_tau(drafter, head, input_ids, loss_mask, hidden, *, backend="auto",
         chunk_anchors, chunk_keep = anchors[:, part].contiguous(), keep[:, part].contiguous()
         loss_sum, weight_sum, correct, weights = _run_blocks(
             drafter, head, input_ids, loss_mask, hidden, chunk_anchors, chunk_keep,
-            loss_type="dflash", gamma=None, alpha=0.0, backend=backend, chunk_blocks=chunk_blocks)
-        counts = (loss_sum, weight_sum, *_acceptance_counts(correct, weights, chunk_keep))
-        totals = [total + count for total, count in zip(totals, counts)]
-    loss_sum, weight_sum, slot_correct, slot_weight, tau_sum, tau_count = totals
-    return {
-        **acceptance_summary(slot_correct, slot_weight, tau_sum, tau_count),
-        "loss": float(loss_sum / max(float(weight_sum), 1e-12)),
-        "loss_sum": float(loss_sum),
-        "weight_sum": float(weight_sum),
-        "slot_correct": slot_correct.tolist(),
-        "slot_weight": slot_weight.tolist(),
-        "tau_sum": float(tau_sum),
-        "tau_count": float(tau_count),
-    }
+            loss_type="dflash", gamma=None, alpha=0.0, backend=backend, chunk_blocks=chunk_blocks,
+            compiled=compiled)
+        totals = totals + _counts(loss_sum, weight_sum, correct, weights, chunk_keep)
+    return totals

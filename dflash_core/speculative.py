@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import attend, dense_mask, make_mask_mod
+from .attention import dense_mask, make_mask_mod
 from .frozen_head import FrozenTargetHead
-from .model import apply_rope, rope_cos_sin
+from .model import rope_cos_sin
 
 
 @dataclass
@@ -64,7 +64,8 @@ class DrafterCache:
     """A drafter bound to one growing context: per-layer context keys/values, computed once.
 
     `extend` appends target features of the next context positions; `hidden` runs a block
-    anchored right after the context; `draft` turns that into draft tokens.
+    anchored right after the context through the drafter's own layers; `draft` turns that into
+    draft tokens.
     """
 
     def __init__(self, drafter, head: FrozenTargetHead):
@@ -77,6 +78,10 @@ class DrafterCache:
     def dtype(self) -> torch.dtype:
         return self.drafter.fc.weight.dtype
 
+    def _rope(self, start: int, count: int, device):
+        positions = torch.arange(start, start + count, device=device).unsqueeze(0)
+        return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+
     def extend(self, features: torch.Tensor) -> None:
         """features [1, n, L*H]: the target features of context positions length..length+n-1."""
         cfg = self.config
@@ -84,13 +89,10 @@ class DrafterCache:
             raise ValueError(f"features must be [1, n, {cfg.num_features * cfg.hidden_size}] "
                              f"(batch size 1, {cfg.num_features} layers x {cfg.hidden_size}), "
                              f"got {tuple(features.shape)}")
-        ctx = self.drafter.hidden_norm(self.drafter.fc(features.to(self.dtype)))
-        positions = torch.arange(self.length, self.length + ctx.shape[1], device=ctx.device)
-        rope = rope_cos_sin(positions.unsqueeze(0), cfg.head_dim, cfg.rope_theta)
+        ctx = self.drafter.context(features.to(self.dtype))
+        rope = self._rope(self.length, ctx.shape[1], ctx.device)
         for i, layer in enumerate(self.drafter.layers):
-            attn = layer.self_attn
-            k = apply_rope(attn.k_norm(_heads(attn.k_proj(ctx), attn.num_kv_heads, attn.head_dim)), *rope)
-            v = _heads(attn.v_proj(ctx), attn.num_kv_heads, attn.head_dim)
+            k, v = layer.self_attn.keys_values(ctx, rope)
             self.keys[i] = k if self.keys[i] is None else torch.cat([self.keys[i], k], dim=2)
             self.values[i] = v if self.values[i] is None else torch.cat([self.values[i], v], dim=2)
         self.length += ctx.shape[1]
@@ -99,9 +101,9 @@ class DrafterCache:
         """block_embeds [1, Bs, H] of a block anchored at position `length` -> final-normed
         block states [1, Bs, H]; equal to DFlashDrafter.forward with anchors [[length]]."""
         cfg, anchor = self.config, self.length
+        if anchor == 0:
+            raise ValueError("the drafter needs context: extend() the cache with the prompt's features first")
         device = block_embeds.device
-        positions = anchor + torch.arange(cfg.block_size, device=device)
-        rope = rope_cos_sin(positions.unsqueeze(0), cfg.head_dim, cfg.rope_theta)
         anchors, keep = torch.tensor([[anchor]], device=device), torch.tensor([[True]], device=device)
         # The training mask itself, evaluated for this one block: sliding layers then see the
         # same window and intra-block causality as in training (full layers see everything).
@@ -110,18 +112,10 @@ class DrafterCache:
                                                       window=cfg.sliding_window),
                                         1, cfg.block_size, anchor + cfg.block_size, device)
                  for layer_type in dict.fromkeys(cfg.layer_types)}
+        rope = self._rope(anchor, cfg.block_size, device)
         h = block_embeds.to(self.dtype)
-        for i, (layer, layer_type) in enumerate(zip(self.drafter.layers, cfg.layer_types)):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = apply_rope(attn.q_norm(_heads(attn.q_proj(x), attn.num_heads, attn.head_dim)), *rope)
-            k = apply_rope(attn.k_norm(_heads(attn.k_proj(x), attn.num_kv_heads, attn.head_dim)), *rope)
-            v = _heads(attn.v_proj(x), attn.num_kv_heads, attn.head_dim)
-            if self.keys[i] is not None:
-                k, v = torch.cat([self.keys[i], k], dim=2), torch.cat([self.values[i], v], dim=2)
-            out = attend(q, k, v, masks[layer_type])
-            h = h + attn.o_proj(out.transpose(1, 2).flatten(2))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        for layer, layer_type, k, v in zip(self.drafter.layers, cfg.layer_types, self.keys, self.values):
+            h = layer(h, (k, v), rope, masks[layer_type])
         return self.drafter.norm(h)
 
     def draft(self, ids: torch.Tensor) -> torch.Tensor:
@@ -138,10 +132,6 @@ class DrafterCache:
         logits = self.head.logits(h[0, 1:].to(self.head.lm_head_weight.dtype))
         return logits.argmax(-1)
 
-
-def _heads(x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
-    """[1, T, heads * D] -> [1, heads, T, D]."""
-    return x.view(*x.shape[:2], num_heads, head_dim).transpose(1, 2)
 
 
 def _eos_set(eos_token_id) -> set[int]:

@@ -318,7 +318,7 @@ def drafter_stage(cfg, device, seqs, *, work: Path, isolation, warmup: int, step
     profile: two more steps at the last length under torch.profiler; the kernel table is printed
     and kept in that row (with dynamo's compile times)."""
     import torch.distributed as dist
-    from dflash_core.attention import compile_count
+    from dflash_core.compile import compile_count
     from launcher.channel import Payload
     from launcher.drafter_role import DrafterTrainer
     from launcher.schedule import TRAIN, Item

@@ -10,11 +10,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from dflash_core.attention import compile_count, resolve_backend
+from dflash_core.attention import resolve_backend
+from dflash_core.compile import compile_count
 from dflash_core.export import export_drafter
 from dflash_core.frozen_head import FrozenTargetHead
 from dflash_core.model import DFlashDrafter
-from dflash_core.objective import acceptance_summary, default_gamma, drafter_step, evaluate_tau
+from dflash_core.objective import StepCounts, default_gamma, drafter_step, evaluate_tau
 from launcher import checkpoint
 from launcher.channel import HIDDEN_DTYPE, Receiver
 from launcher.context import Context
@@ -40,7 +41,7 @@ class DrafterTrainer:
         self.device = ctx.device
         self.amp_dtype = compute_dtype("auto", self.device)
         torch.manual_seed(cfg.run.seed)
-        self.drafter = DFlashDrafter(self.dcfg).to(self.device).compile_layers(self.compiles_layers(cfg, self.device))
+        self.drafter = DFlashDrafter(self.dcfg).to(self.device)
         if cfg.target.random_weights:
             self.head = FrozenTargetHead.random(self.dcfg.vocab_size, self.dcfg.hidden_size, seed=cfg.run.seed,
                                                 device=self.device, dtype=self.amp_dtype)
@@ -57,7 +58,8 @@ class DrafterTrainer:
         self.step_kwargs = dict(num_anchors=d.num_anchors, loss_type=d.loss,
                                 gamma=d.gamma if d.gamma is not None else default_gamma(d.block_size),
                                 alpha=d.dpace_alpha, backend=d.backend, chunk_blocks=d.chunk_blocks,
-                                feature_noise_std=d.feature_noise_std)
+                                feature_noise_std=d.feature_noise_std,
+                                compiled=self.compiles_layers(cfg, self.device))
         self.is_lead = ctx.rank == ctx.topo.lead_drafter
         self.wait_s = self.compute_s = 0.0
 
@@ -85,11 +87,10 @@ class DrafterTrainer:
         self.scheduler.load_state_dict(state["scheduler"])
         checkpoint.set_rng_state(state["rng"])
 
-    def train_step(self, payloads) -> tuple[torch.Tensor, float]:
-        """One optimiser step over this rank's micro-batches; returns the globally reduced stats and the
-        gradient norm before clipping."""
-        bs = self.dcfg.block_size
-        stats = torch.zeros(5 + 2 * bs, dtype=torch.float64, device=self.device)
+    def train_step(self, payloads) -> tuple[StepCounts, float]:
+        """One optimiser step over this rank's micro-batches; returns the globally reduced counts
+        and the gradient norm before clipping."""
+        counts = StepCounts.zeros(self.dcfg.block_size, self.device)
         for a, p in enumerate(payloads):
             last = a == len(payloads) - 1
             with (contextlib.nullcontext() if last else self.model.no_sync()), self.autocast():
@@ -97,14 +98,12 @@ class DrafterTrainer:
                                    generator=_item_generator(self.device, self.ctx.cfg.run.seed, p.item.index),
                                    **self.step_kwargs)
                 out.loss_sum.backward()
-            stats[:4] += torch.stack([out.loss_sum.detach(), out.weight_sum, out.tau_sum, out.tau_count]).double()
-            stats[4] += p.num_tokens
-            stats[5:5 + bs] += out.slot_correct.double()
-            stats[5 + bs:] += out.slot_weight.double()
-        dist.all_reduce(stats, group=self.ctx.groups.drafters)
+            counts = counts + out.counts
+            counts.tokens = counts.tokens + p.num_tokens
+        counts = counts.all_reduce(self.ctx.groups.drafters)
         # DDP averaged the gradients of the unnormalised loss sums over D ranks: rescale so the step
         # optimises (global weighted CE sum) / (global weight sum).
-        scale = self.ctx.topo.num_drafters / max(stats[1].item(), 1e-9)
+        scale = self.ctx.topo.num_drafters / max(counts.weight_sum.item(), 1e-9)
         for param in self.drafter.parameters():
             if param.grad is not None:
                 param.grad.mul_(scale)
@@ -112,7 +111,7 @@ class DrafterTrainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return stats, float(grad_norm)
+        return counts, float(grad_norm)
 
     def warm_up(self, rows: int, seq_len: int, evaluates: bool) -> float:
         """Compile the attention kernels for the run's one static shape before the stream starts,
@@ -134,32 +133,22 @@ class DrafterTrainer:
         return time.perf_counter() - start
 
     @torch.no_grad()
-    def evaluate_local(self, input_ids, loss_mask, hidden) -> dict:
+    def evaluate_local(self, input_ids, loss_mask, hidden) -> StepCounts:
         self.drafter.eval()
         with self.autocast():
-            result = evaluate_tau(self.drafter, self.head, input_ids, loss_mask, hidden,
+            counts = evaluate_tau(self.drafter, self.head, input_ids, loss_mask, hidden,
                                   backend=self.step_kwargs["backend"], num_anchors=self.step_kwargs["num_anchors"],
-                                  chunk_blocks=self.step_kwargs["chunk_blocks"])
+                                  chunk_blocks=self.step_kwargs["chunk_blocks"],
+                                  compiled=self.step_kwargs["compiled"])
         self.drafter.train()
-        return result
+        return counts
 
     @torch.no_grad()
     def evaluate(self, payloads) -> dict:
-        bs = self.dcfg.block_size
-        sums = torch.zeros(4 + 2 * bs, dtype=torch.float64, device=self.device)
+        counts = StepCounts.zeros(self.dcfg.block_size, self.device)
         for p in payloads:
-            r = self.evaluate_local(p.input_ids, p.loss_mask, p.hidden)
-            sums += torch.tensor([r["loss_sum"], r["weight_sum"], r["tau_sum"], r["tau_count"], *r["slot_correct"],
-                                  *r["slot_weight"]], dtype=torch.float64, device=self.device)
-        dist.all_reduce(sums, group=self.ctx.groups.drafters)
-        return {"loss": float(sums[0] / sums[1].clamp_min(1e-9)),
-                **_summarise(sums[2], sums[3], sums[4:4 + bs], sums[4 + bs:])}
-
-
-def _summarise(tau_sum, tau_count, correct, weight) -> dict:
-    summary = acceptance_summary(correct, weight, tau_sum, tau_count)
-    acc_k = summary.pop("acc")
-    return {**summary, "acc": sum(acc_k) / len(acc_k), "acc_k": acc_k}
+            counts = counts + self.evaluate_local(p.input_ids, p.loss_mask, p.hidden)
+        return counts.all_reduce(self.ctx.groups.drafters).summary()
 
 
 class _RunStats:
@@ -240,14 +229,12 @@ def run_drafter(ctx: Context) -> dict:
                      compile_count())
         for p in payloads:
             seq_log.write("trained", p.item)
-        loss = (stats[0] / stats[1].clamp_min(1e-9)).item()
-        run_stats.add_step(loss, stats[4].item(), waited=t1 - t0)
+        summary = stats.summary()
+        run_stats.add_step(summary["loss"], stats.tokens.item(), waited=t1 - t0)
         if sink is not None:
-            bs = trainer.dcfg.block_size
             write = (step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.train.steps
-            record = {"step": step + 1, "loss": loss, "lr": trainer.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                      **run_stats.window_rates(reset=write),
-                      **_summarise(stats[2], stats[3], stats[5:5 + bs], stats[5 + bs:])}
+            record = {"step": step + 1, "lr": trainer.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+                      **run_stats.window_rates(reset=write), **summary}
             sink.step(record, write)
         if sched.evaluates_after(step):
             evals = [next(receiver) for _ in range(sched.eval_batches)]

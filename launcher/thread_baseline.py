@@ -98,7 +98,7 @@ class _DrafterThread(threading.Thread):
                         out = drafter_step(self.drafter, self.head, input_ids, loss_mask, hidden,
                                            num_anchors=spec["num_anchors"], generator=generator,
                                            backend=spec["backend"], chunk_blocks=spec["chunk_blocks"])
-                    (out.loss_sum / out.weight_sum.clamp_min(1e-9)).backward()
+                    (out.loss_sum / out.counts.weight_sum.clamp_min(1e-9)).backward()
                     torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
                     optimizer.step()
                     if cuda:

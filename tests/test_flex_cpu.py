@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dflash_core import attention
+from dflash_core.compile import compile_count
 from dflash_core.model import DFlashDrafter, DrafterConfig
 
 B, S, N, BS, HIDDEN = 2, 40, 6, 4, 32
@@ -29,7 +30,7 @@ def random_inputs(seed):
 @pytest.fixture(scope="module")
 def compiles_before():
     """Flex graphs compiled in this process before this module's first flex call."""
-    return attention.compile_count("flex_attention")
+    return compile_count("flex_attention")
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +53,10 @@ def test_flex_refuses_to_train_on_cpu():
                                           layer_type="full_attention", window=None, backend="flex")
     q = torch.randn(B, 4, N * BS, 8, requires_grad=True)
     kv = torch.randn(B, 2, S + N * BS, 8)
-    before = attention.compile_count("flex_attention")
+    before = compile_count("flex_attention")
     with pytest.raises(RuntimeError, match="no backward on CPU"):
         attention.attend(q, kv, kv, mask)
-    assert attention.compile_count("flex_attention") == before, "refused before compiling"
+    assert compile_count("flex_attention") == before, "refused before compiling"
 
 
 @torch.no_grad()
@@ -65,7 +66,7 @@ def test_compiled_flex_forward_equals_sdpa(drafter, compiles_before):
         flex = drafter(features, embeds, anchors, keep, backend="flex")
         sdpa = drafter(features, embeds, anchors, keep, backend="sdpa")
         torch.testing.assert_close(flex, sdpa, **TOLERANCE)
-    assert attention.compile_count("flex_attention") == compiles_before + 1
+    assert compile_count("flex_attention") == compiles_before + 1
 
 
 @torch.no_grad()
@@ -74,13 +75,14 @@ def test_flex_returns_zero_for_rows_without_keys(compiles_before):
     masks = [attention.build_attention_mask(anchors, keep, context_len=S, block_size=BS,
                                             layer_type="full_attention", window=None,
                                             backend=backend) for backend in ("flex", "sdpa")]
-    # [B, L, heads, D] transposed, the layout the drafter passes (strides are guarded).
+    # The layouts the drafter passes (strides are guarded): queries [B, L, heads, D] transposed,
+    # keys and values concatenated [context | block] along the length, hence contiguous.
     q = torch.randn(B, N * BS, 4, 8).transpose(1, 2)
-    k, v = (torch.randn(B, S + N * BS, 2, 8).transpose(1, 2) for _ in range(2))
+    k, v = (torch.randn(B, 2, S + N * BS, 8) for _ in range(2))
     flex, sdpa = (attention.attend(q, k, v, mask) for mask in masks)
     assert torch.equal(flex[0, :, -BS:], torch.zeros_like(flex[0, :, -BS:]))
     torch.testing.assert_close(flex, sdpa, **TOLERANCE)
-    assert attention.compile_count("flex_attention") == compiles_before + 1, "same shape"
+    assert compile_count("flex_attention") == compiles_before + 1, "same shape"
 
 
 @torch.no_grad()
@@ -90,16 +92,13 @@ def test_evaluation_recompiles_nothing_across_batches(drafter):
     from dflash_core.frozen_head import FrozenTargetHead
     from dflash_core.objective import evaluate_tau
     head = FrozenTargetHead.random(50, HIDDEN, seed=0)
-    compiled = drafter.compile_layers()
-    try:
-        gen = torch.Generator().manual_seed(0)
-        counts = []
-        for supervised in (S, S // 2):   # all positions, then half: fewer anchor chunks
-            ids = torch.randint(0, 49, (B, S), generator=gen)
-            mask = (torch.arange(S) < supervised).long().expand(B, -1)
-            features = torch.randn(B, S, 2 * HIDDEN, generator=gen)
-            evaluate_tau(compiled, head, ids, mask, features, backend="flex", num_anchors=N, chunk_blocks=N)
-            counts.append(attention.compile_count("drafter_layer"))
-        assert counts[1] == counts[0] > 0
-    finally:
-        drafter.compile_layers(False)
+    gen = torch.Generator().manual_seed(0)
+    counts = []
+    for supervised in (S, S // 2):   # all positions, then half: fewer anchor chunks
+        ids = torch.randint(0, 49, (B, S), generator=gen)
+        mask = (torch.arange(S) < supervised).long().expand(B, -1)
+        features = torch.randn(B, S, 2 * HIDDEN, generator=gen)
+        evaluate_tau(drafter, head, ids, mask, features, backend="flex", num_anchors=N, chunk_blocks=N,
+                     compiled=True)
+        counts.append(compile_count("drafter_layer"))
+    assert counts[1] == counts[0] > 0

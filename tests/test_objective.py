@@ -41,7 +41,7 @@ class OracleDrafter(nn.Module):
         self.config, self.input_ids = config, input_ids
         self.offset = nn.Parameter(torch.zeros(()))
 
-    def forward(self, features, block_embeds, anchors, keep, *, backend):
+    def forward(self, features, block_embeds, anchors, keep, *, backend, compiled):
         positions = anchors.unsqueeze(-1) + torch.arange(self.config.block_size)
         truth = self.input_ids.gather(1, positions.clamp(max=self.input_ids.shape[1] - 1).flatten(1))
         return 10.0 * F.one_hot(truth, VOCAB).float() + self.offset
@@ -92,9 +92,12 @@ def test_step_with_an_oracle_drafter_hits_every_label():
             expected_weight[k] += supervised
             run_open = run_open and supervised
             expected_tau += run_open
-    assert torch.equal(out.slot_weight, expected_weight)
-    assert torch.equal(out.slot_correct, expected_weight)
-    assert out.tau_sum == expected_tau and out.tau_count == keep.sum()
+    counts = out.counts
+    assert torch.equal(counts.slot_weight, expected_weight.double())
+    assert torch.equal(counts.slot_correct, expected_weight.double())
+    assert counts.tau_sum == expected_tau and counts.tau_count == keep.sum()
+    assert counts.anchor_slots == keep.numel()
+    assert counts.summary()["anchor_fill"] == pytest.approx(keep.sum().item() / keep.numel())
 
 
 def test_dflash_weights_decay_from_slot_one():
@@ -149,8 +152,8 @@ def split_gradients(drafter, head, batch, anchors, keep, *, ranks, accum, loss_t
         if normalise_globally:
             out.loss_sum.backward()
         else:  # the classic bug: normalise each micro-batch by its own weights
-            (out.loss_sum / out.weight_sum / accum).backward()
-        weight_sums[rank].append(out.weight_sum)
+            (out.loss_sum / out.counts.weight_sum / accum).backward()
+        weight_sums[rank].append(out.counts.weight_sum)
     global_weight_sum = sum(sum(w) for w in weight_sums)
     grads = []
     for params in zip(*(replica.parameters() for replica in replicas)):
@@ -217,8 +220,9 @@ def test_step_is_reproducible_with_equal_generators_and_noise_changes_it():
 def test_evaluate_tau_of_an_oracle_is_the_supervised_run_length():
     input_ids, loss_mask, hidden = random_batch()
     drafter = OracleDrafter(tiny_drafter().config, input_ids)
-    result = evaluate_tau(drafter, identity_head(), input_ids, loss_mask, hidden,
+    counts = evaluate_tau(drafter, identity_head(), input_ids, loss_mask, hidden,
                           backend="sdpa", num_anchors=4)
+    result = counts.summary()
     taus = []
     for b in range(input_ids.shape[0]):
         for a in range(input_ids.shape[1] - 1):
@@ -227,17 +231,17 @@ def test_evaluate_tau_of_an_oracle_is_the_supervised_run_length():
                 while run + 1 < BS and a + run + 1 < input_ids.shape[1] and loss_mask[b, a + run + 1]:
                     run += 1
                 taus.append(1 + run)
-    assert result["tau_count"] == len(taus)
+    assert counts.tau_count == len(taus)
     assert result["tau"] == pytest.approx(sum(taus) / len(taus))
-    assert result["acc"] == [1.0] * (BS - 1) and result["eal"] == pytest.approx(BS)
+    assert result["acc_k"] == [1.0] * (BS - 1) and result["eal"] == pytest.approx(BS)
 
 
 def test_evaluate_tau_counts_misses():
     input_ids, loss_mask, hidden = random_batch()
     drafter = OracleDrafter(tiny_drafter().config, torch.roll(input_ids, 1, dims=1))
     result = evaluate_tau(drafter, identity_head(), input_ids, loss_mask, hidden,
-                          backend="sdpa", num_anchors=4)
-    assert result["tau"] < 1.5 and max(result["acc"]) < 0.5 and result["eal"] < 1.5
+                          backend="sdpa", num_anchors=4).summary()
+    assert result["tau"] < 1.5 and max(result["acc_k"]) < 0.5 and result["eal"] < 1.5
 
 
 @pytest.mark.parametrize("loss_type", ["dflash", "dpace"])
@@ -261,33 +265,34 @@ def test_fused_head_loss_matches_plain_autograd(loss_type):
 
 
 def test_compiled_layers_and_head_loss_match_eager_and_compile_once():
-    """drafter.compile_layers(): same loss and gradients as eager (CPU, sdpa), and a second
-    micro-batch with new data at the same shape compiles nothing new."""
-    from dflash_core import attention
+    """compiled=True: same loss and gradients as eager (CPU, sdpa), and a second micro-batch
+    with new data at the same shape compiles nothing new."""
+    from dflash_core.compile import compile_count
     cfg = DrafterConfig(hidden_size=HIDDEN, num_hidden_layers=3, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=8, intermediate_size=48, vocab_size=VOCAB,
                         block_size=BS, target_layer_ids=[0, 1], num_target_layers=2,
                         mask_token_id=MASK_ID)
     eager = DFlashDrafter(cfg, seed=0)
-    compiled = copy.deepcopy(eager).compile_layers()
+    compiled = copy.deepcopy(eager)
     head = FrozenTargetHead.random(VOCAB, HIDDEN, seed=1)
-    before = {name: attention.compile_count(name) for name in ("drafter_layer", "head_loss")}
+    before = {name: compile_count(name) for name in ("drafter_layer", "head_loss")}
     for seed in (0, 1):
         batch = random_batch(rows=2, seq_len=24, seed=seed)
         outs = []
-        for model in (eager, compiled):
+        for model, is_compiled in ((eager, False), (compiled, True)):
             model.zero_grad()
             out = drafter_step(model, head, *batch, num_anchors=6, loss_type="dpace", backend="sdpa",
-                               generator=torch.Generator().manual_seed(seed), chunk_blocks=3)
+                               generator=torch.Generator().manual_seed(seed), chunk_blocks=3,
+                               compiled=is_compiled)
             out.loss_sum.backward()
             outs.append((out, [p.grad.clone() for p in model.parameters()]))
         (want, want_grads), (got, got_grads) = outs
         torch.testing.assert_close(got.loss_sum, want.loss_sum, rtol=1e-5, atol=1e-6)
-        assert torch.equal(got.slot_correct, want.slot_correct)
+        assert torch.equal(got.counts.slot_correct, want.counts.slot_correct)
         for g, w in zip(got_grads, want_grads):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
         if seed == 0:
-            first = {name: attention.compile_count(name) - before[name] for name in before}
+            first = {name: compile_count(name) - before[name] for name in before}
     # One layer graph for the first layer (frozen embeddings in), one for the rest; one head graph.
     assert first == {"drafter_layer": 2, "head_loss": 1}
-    assert {name: attention.compile_count(name) - before[name] for name in before} == first
+    assert {name: compile_count(name) - before[name] for name in before} == first
