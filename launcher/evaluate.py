@@ -8,21 +8,20 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 from omegaconf import DictConfig
 
-from launcher.config import ConfigError, compose_config, require, resolve_device
+from launcher.config import ConfigError, compose_config, require
+from launcher.resolve import compute_dtype, dataset_paths, ensure_embedded_target, resolve_device, target_dir
 
-def validate(cfg: DictConfig) -> None:
-    ev = cfg.evaluate
-    require(cfg, ev.drafter is not None, "evaluate.drafter",
-            "set it to an exported drafter dir or a checkpoints/step_XXXXXXXX dir")
-    require(cfg, ev.num_prompts >= 1, "evaluate.num_prompts", "must be >= 1")
-    require(cfg, ev.max_new_tokens >= 1, "evaluate.max_new_tokens", "must be >= 1")
-    require(cfg, ev.device in ("auto", "cpu", "cuda"), "evaluate.device", "must be auto, cpu or cuda")
+USAGE = """\
+Usage: python -m launcher.evaluate evaluate.drafter=DIR [key=value ...]
+Examples:
+  python -m launcher.evaluate evaluate.drafter=runs/<name>/export                 # the embedded tiny target
+  python -m launcher.evaluate target=qwen3_8b target.path=/models/Qwen3-8B \\
+      evaluate.drafter=/runs/qwen3-8b/export evaluate.data=/data/heldout.jsonl"""
 
 
 def load_drafter(path, *, device=None, dtype=None):
@@ -30,7 +29,7 @@ def load_drafter(path, *, device=None, dtype=None):
     directory (meta.json + state.pt), in eval mode."""
     from dflash_core.export import CONFIG_NAME, load_exported
     from dflash_core.model import DFlashDrafter, DrafterConfig
-    from launcher import checkpoint
+    from launcher.run_io import checkpoint
 
     path = Path(path)
     if (path / CONFIG_NAME).is_file():
@@ -43,16 +42,6 @@ def load_drafter(path, *, device=None, dtype=None):
         raise ConfigError(f"evaluate.drafter={str(path)!r}: neither an exported drafter (no {CONFIG_NAME}) "
                           f"nor a checkpoint directory (no meta.json)")
     return drafter.to(device=device, dtype=dtype).eval()
-
-
-def _data_paths(data) -> list[Path]:
-    from launcher.data_setup import resolve_dataset
-    entries = [data] if isinstance(data, str) else list(data)
-    paths = [resolve_dataset(p) for p in entries]
-    for path in paths:
-        if not path.is_file():
-            raise ConfigError(f"evaluate.data: {str(path)!r} does not exist")
-    return paths
 
 
 def load_prompts(paths, tokenizer, num_prompts: int, *, max_prompt_tokens: int) -> tuple[list[list[int]], dict]:
@@ -98,8 +87,6 @@ def evaluate(cfg: DictConfig) -> dict:
     from transformers.utils import logging as hf_logging
 
     from dflash_core.speculative import greedy_decode, speculative_generate
-    from launcher.setup_models import compute_dtype, ensure_embedded_target, target_dir
-
     ev = cfg.evaluate
     device = resolve_device(ev.device, "evaluate.device")
     dtype = compute_dtype(cfg.target.dtype, device)
@@ -111,7 +98,8 @@ def evaluate(cfg: DictConfig) -> dict:
     drafter = load_drafter(ev.drafter, device=device, dtype=dtype)
     block_size = drafter.config.block_size
     max_prompt = target.config.max_position_embeddings - ev.max_new_tokens - block_size
-    prompts, skipped = load_prompts(_data_paths(ev.data), tokenizer, ev.num_prompts, max_prompt_tokens=max_prompt)
+    prompts, skipped = load_prompts(dataset_paths(ev.data, "evaluate.data"), tokenizer, ev.num_prompts,
+                                    max_prompt_tokens=max_prompt)
     eos = _eos_ids(tokenizer, target)
 
     per_prompt, spec_s, greedy_s = [], 0.0, 0.0
@@ -175,7 +163,8 @@ def run(overrides: list[str]) -> int:
     if int(os.environ.get("RANK", 0)) != 0:
         return 0  # under torchrun: rank 0 alone evaluates
     cfg = compose_config(overrides, config_name="evaluate")
-    validate(cfg)
+    require(cfg, cfg.evaluate.drafter is not None, "evaluate.drafter",
+            "set it to an exported drafter dir or a checkpoints/step_XXXXXXXX dir")
     summary = evaluate(cfg)
     ev = cfg.evaluate
     output = Path(ev.output) if ev.output else Path(str(Path(ev.drafter).resolve()) + ".speculative.json")
@@ -187,13 +176,8 @@ def run(overrides: list[str]) -> int:
 
 
 def main() -> None:
-    from hydra.errors import HydraException
-    try:
-        code = run(sys.argv[1:])
-    except (ValueError, OSError, HydraException) as exc:  # bad settings or data: the message says what to fix
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        sys.exit(1)
-    sys.exit(code)
+    from launcher.cli import run_main
+    run_main(run, "evaluate", USAGE)
 
 
 if __name__ == "__main__":

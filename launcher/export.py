@@ -6,7 +6,7 @@ from pathlib import Path
 
 from dflash_core.export import export_drafter
 from dflash_core.model import DFlashDrafter, DrafterConfig
-from launcher import checkpoint
+from launcher.run_io import checkpoint
 
 
 def export_checkpoint(path: Path, out: Path) -> Path:

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,8 +24,15 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from dflash_core.data import file_digest
-from launcher.config import ConfigError, compose_config, require, resolve_device
-from launcher.rundir import log, setup_logging
+from launcher.config import ConfigError, compose_config, require
+from launcher.resolve import compute_dtype, dataset_path, ensure_embedded_target, resolve_device, target_dir
+from launcher.run_io.rundir import log, setup_logging
+
+USAGE = """\
+Usage: torchrun --standalone --nproc-per-node N -m launcher.regenerate regenerate.output=FILE [key=value ...]
+Example:
+  torchrun --standalone --nproc-per-node 8 -m launcher.regenerate target=qwen3_8b target.path=/models/Qwen3-8B \\
+      regenerate.input=/data/prompts.jsonl regenerate.output=/data/qwen3-8b-regen.jsonl"""
 
 # Settings that change what gets generated: parts written under other values are not reused.
 _FINGERPRINT_KEYS = ("input", "tokenizer", "drop_last_assistant", "limit", "max_prompt_length", "max_new_tokens",
@@ -42,31 +48,12 @@ class Prompt:
 
 
 def validate(cfg: DictConfig) -> None:
-    r = cfg.regenerate
-
-    def need(ok: bool, key: str, why: str) -> None:
-        require(cfg, ok, f"regenerate.{key}", why)
-
-    need(r.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
-    need(r.batch_size >= 1, "batch_size", "must be >= 1")
-    need(r.max_prompt_length >= 1, "max_prompt_length", "must be >= 1")
-    need(r.temperature >= 0, "temperature", "must be >= 0 (0 = greedy)")
-    need(0 < r.top_p <= 1, "top_p", "must be in (0, 1]")
-    need(r.top_k >= 0, "top_k", "must be >= 0 (0 = off)")
-    need(r.limit is None or r.limit >= 1, "limit", "must be null or >= 1")
-    need(r.on_bad_line in ("fail", "skip"), "on_bad_line", "must be fail or skip")
-    need(r.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda")
-    need(r.timeout_s > 0, "timeout_s", "must be > 0")
-    need(Path(r.output).suffix == ".jsonl", "output", "must be a .jsonl file")
+    require(cfg, Path(cfg.regenerate.output).suffix == ".jsonl", "regenerate.output", "must be a .jsonl file")
 
 
 # ----------------------------------------------------------------------------- prompts
 def input_path(cfg: DictConfig) -> Path:
-    from launcher.data_setup import resolve_dataset
-    path = resolve_dataset(cfg.regenerate.input)
-    if not path.is_file():
-        raise ConfigError(f"regenerate.input={str(path)!r} does not exist")
-    return path
+    return dataset_path(cfg.regenerate.input, "regenerate.input")
 
 
 def prompt_messages(messages, drop_last_assistant: bool) -> list[dict] | None:
@@ -254,8 +241,6 @@ def run(overrides: list[str]) -> int:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from launcher.setup_models import compute_dtype, ensure_embedded_target, target_dir
-
     device = resolve_device(r.device, "regenerate.device", int(os.environ.get("LOCAL_RANK", 0)))
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -318,17 +303,8 @@ def run(overrides: list[str]) -> int:
 
 
 def main() -> None:
-    try:
-        code = run(sys.argv[1:])
-    except BaseException as exc:  # each rank reports its own failure and exits non-zero at once
-        if isinstance(exc, SystemExit) and not exc.code:
-            raise
-        log.error("failed: %s: %s", type(exc).__name__, exc, exc_info=not isinstance(exc, (ValueError, OSError)))
-        logging.shutdown()
-        sys.stderr.flush()
-        os._exit(1)  # a process group may still be alive, and its teardown can block
-    logging.shutdown()
-    sys.exit(code)
+    from launcher.cli import run_main
+    run_main(run, "regenerate", USAGE)
 
 
 if __name__ == "__main__":

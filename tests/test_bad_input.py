@@ -3,21 +3,27 @@ import json
 import shutil
 
 import pytest
+import torch
 from hydra.errors import ConfigCompositionException
 from transformers import AutoTokenizer
 
 from dflash_core.data import DataError, load_samples
 from dflash_core.frozen_head import FrozenTargetHead
 from dflash_core.target import TargetError, load_target
-from launcher.config import ConfigError, compose_config, validate
-from launcher.data_setup import build_sources
-from launcher.rundir import prepare_run_dir
-from launcher.setup_models import drafter_config, target_dir
-from launcher.topology import parse_topology
+from launcher.config import ConfigError, compose_config
+from launcher.distributed.topology import Topology, parse_topology
+from launcher.resolve import resolve, target_dir
+from launcher.roles.target import build_sources
+from launcher.run_io.rundir import prepare_run_dir
 
 
 def _cfg(tiny_target_dir, tmp_path, *overrides):
     return compose_config([f"target.path={tiny_target_dir}", f"data.cache_dir={tmp_path / 'tok'}", *overrides])
+
+
+def _job(tiny_target_dir, tmp_path, *overrides):
+    """The config resolved for one CPU drafter rank, as every process resolves it."""
+    return resolve(_cfg(tiny_target_dir, tmp_path, *overrides), Topology(1, 1), torch.device("cpu"))
 
 
 def test_missing_target_dir(tmp_path):
@@ -56,9 +62,9 @@ def test_malformed_dataset_line(tmp_path, tiny_target_dir, policy):
                "data.eval_fraction=0")
     if policy == "fail":
         with pytest.raises(DataError, match=r"d\.jsonl line 2"):
-            build_sources(cfg)
+            build_sources(resolve(cfg, Topology(1, 1), torch.device('cpu')))
     else:
-        _, _, stats = build_sources(cfg)
+        _, _, stats = build_sources(resolve(cfg, Topology(1, 1), torch.device('cpu')))
         assert stats["bad_lines_skipped"] == 1 and stats["train_samples"] == 2
 
 
@@ -67,22 +73,22 @@ def test_empty_dataset_after_filtering(tmp_path, tiny_target_dir):
     data.write_text(json.dumps({"id": 1, "conversations": [{"role": "user", "content": "hi"},
                                                            {"role": "assistant", "content": ""}]}) + "\n")
     with pytest.raises(DataError, match="no usable samples"):
-        build_sources(_cfg(tiny_target_dir, tmp_path, f"data.paths=[{data}]"))
+        build_sources(_job(tiny_target_dir, tmp_path, f"data.paths=[{data}]"))
 
 
 def test_missing_dataset_file(tmp_path, tiny_target_dir):
     with pytest.raises(ConfigError, match=r"data.paths: .*missing.jsonl.* does not exist"):
-        build_sources(_cfg(tiny_target_dir, tmp_path, f"data.paths=[{tmp_path / 'missing.jsonl'}]"))
+        build_sources(_job(tiny_target_dir, tmp_path, f"data.paths=[{tmp_path / 'missing.jsonl'}]"))
 
 
 def test_sequence_longer_than_the_model_allows(tmp_path, tiny_target_dir):
     with pytest.raises(ConfigError, match=r"data.max_length=4096 exceeds the target's max_position_embeddings"):
-        drafter_config(_cfg(tiny_target_dir, tmp_path, "data.max_length=4096"))
+        _job(tiny_target_dir, tmp_path, "data.max_length=4096")
 
 
 def test_fixed_length_shorter_than_a_sample(tmp_path, tiny_target_dir):
     with pytest.raises(ValueError, match="fixed_length=64"):
-        build_sources(_cfg(tiny_target_dir, tmp_path, "data.fixed_length=64"))
+        build_sources(_job(tiny_target_dir, tmp_path, "data.fixed_length=64"))
 
 
 @pytest.mark.parametrize("override,key", [("drafter.block_size=1", "drafter.block_size"),
@@ -92,17 +98,17 @@ def test_fixed_length_shorter_than_a_sample(tmp_path, tiny_target_dir):
                                           ("drafter.compile=yes", "drafter.compile")])
 def test_invalid_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=rf"^{key}="):
-        validate(compose_config([override]))
+        compose_config([override])
 
 
 def test_target_layer_ids_out_of_range(tmp_path, tiny_target_dir):
     with pytest.raises(ValueError, match=r"7.*\[0, 4\)|out of range.*7"):
-        drafter_config(_cfg(tiny_target_dir, tmp_path, "drafter.target_layer_ids=[0,7]"))
+        _job(tiny_target_dir, tmp_path, "drafter.target_layer_ids=[0,7]")
 
 
 def test_drafter_hidden_size_mismatch(tmp_path, tiny_target_dir):
     with pytest.raises(ValueError, match="hidden size 64 must equal the target's hidden size 128"):
-        drafter_config(_cfg(tiny_target_dir, tmp_path, "drafter.hidden_size=64"))
+        _job(tiny_target_dir, tmp_path, "drafter.hidden_size=64")
 
 
 def test_topology_not_fitting_world():

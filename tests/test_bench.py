@@ -1,26 +1,24 @@
-"""The benchmark harness (launcher/bench.py) on CPU: its FLOP count against a hand count, the
+"""The benchmark harness (launcher/bench/) on CPU: its FLOP count against a hand count, the
 stage-balance advice, the thread baseline's failure counting, and the whole `--tiny` harness."""
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from launcher.bench import format_table
-from launcher.bench_stages import (balance_advice, drafter_step_flops, drafter_step_flops_breakdown,
+from launcher.bench.report import format_table
+from launcher.bench.counts import (balance_advice, drafter_step_flops, drafter_step_flops_breakdown,
                                    drafter_step_min_bytes, target_forward_flops)
 from dflash_core.model import DrafterConfig
+from tests.drafters import drafter_config, qwen3_8b_drafter_config
+from tests.launching import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 def toy_config():
-    return DrafterConfig(hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
-                         intermediate_size=16, vocab_size=32, block_size=4, target_layer_ids=[0, 1],
-                         num_target_layers=2, mask_token_id=31)
+    return drafter_config(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                          intermediate_size=16, vocab_size=32, mask_token_id=31)
 
 
 def test_drafter_step_flops_matches_a_hand_count():
@@ -57,31 +55,27 @@ def test_min_bytes_and_target_flops_by_hand():
 
 def test_production_numbers_in_perf_notes_hold():
     """docs/perf_notes.md quotes the Qwen3-8B drafter step: 75.1 TFLOP, 39.2 GB at S=4096, 512 anchors."""
-    spec = importlib.util.spec_from_file_location("gpu_drafter_check", REPO / "scripts" / "gpu_drafter_check.py")
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
-    cfg = check.qwen3_8b_config()
+    cfg = qwen3_8b_drafter_config()
     assert round(drafter_step_flops(cfg, 4096, 512) / 1e12, 1) == 75.1
     assert round(drafter_step_min_bytes(cfg, 4096, 512)["total"] / 1e9, 1) == 39.2
     assert "75.1 TFLOP" in (REPO / "docs" / "perf_notes.md").read_text()
 
 
 def test_bench_shape_composes_the_production_drafter(tmp_path, tiny_target_dir):
-    """The overrides the GPU run uses give exactly the Qwen3-8B dflash5 drafter of scripts/gpu_drafter_check.py."""
+    """The overrides the GPU run uses give exactly the Qwen3-8B dflash5 drafter."""
     import dataclasses
 
-    from launcher.bench_stages import QWEN3_8B_SHAPE, run_overrides, write_bench_target
+    from launcher.bench.counts import QWEN3_8B_SHAPE
+    from launcher.bench.inputs import run_overrides, write_bench_target
     from launcher.config import compose_config
-    from launcher.setup_models import drafter_config
+    from launcher.resolve import drafter_config
 
-    spec = importlib.util.spec_from_file_location("gpu_drafter_check", REPO / "scripts" / "gpu_drafter_check.py")
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
     target = write_bench_target(tmp_path / "target", QWEN3_8B_SHAPE, tiny_target_dir)
     cfg = compose_config(run_overrides(target_dir=target, data_path=tmp_path / "d.jsonl", seq_len=4096, steps=5,
                                        tiny=False, anchors=512, work=tmp_path))
-    got = dataclasses.asdict(drafter_config(cfg))
-    want = dataclasses.asdict(check.qwen3_8b_config())
+    from transformers import AutoConfig
+    got = dataclasses.asdict(drafter_config(cfg, AutoConfig.from_pretrained(target)))
+    want = dataclasses.asdict(qwen3_8b_drafter_config())
     assert got == {**want, "rms_norm_eps": got["rms_norm_eps"]}
     assert cfg.drafter.num_anchors == 512 and cfg.data.fixed_length == 4096 and cfg.target.random_weights
 
@@ -106,7 +100,7 @@ def test_format_table_lists_every_row():
 def _baseline_spec(tiny_target_dir, tmp_path, **overrides):
     import dataclasses
 
-    from launcher.bench_stages import write_bench_target
+    from launcher.bench.inputs import write_bench_target
     from dflash_core.tiny import MODEL_SHAPE
     target = write_bench_target(tmp_path / "target", {**MODEL_SHAPE, "vocab_size": 1088}, tiny_target_dir)
     from transformers import AutoConfig
@@ -119,7 +113,7 @@ def _baseline_spec(tiny_target_dir, tmp_path, **overrides):
 
 
 def test_thread_baseline_counts_steps_with_fx_noise(tmp_path, tiny_target_dir):
-    from launcher.thread_baseline import run_baseline
+    from launcher.bench.thread_baseline import run_baseline
     result = run_baseline(_baseline_spec(tiny_target_dir, tmp_path, fx_noise=True))
     # FX's module-call patcher is process-global: even eager sdpa steps (and the target's forward)
     # beside a symbolic_trace loop can fail. Whatever happened, every item is accounted for.
@@ -130,7 +124,7 @@ def test_thread_baseline_counts_steps_with_fx_noise(tmp_path, tiny_target_dir):
 
 def test_thread_baseline_counts_failures_and_keeps_going(tmp_path, tiny_target_dir):
     """CPU flex has no backward: every step raises, each is counted by its message, no thread dies."""
-    from launcher.thread_baseline import run_baseline
+    from launcher.bench.thread_baseline import run_baseline
     result = run_baseline(_baseline_spec(tiny_target_dir, tmp_path, backend="flex"))
     assert result["steps_attempted"] == 4 and result["steps_done"] == 0 and result["failures"] == 4
     (kind, count), = result["failure_kinds"].items()

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from launcher.channel import ChannelError, Receiver, Sender
-from launcher.schedule import Schedule
+from launcher.distributed.channel import ChannelError, Receiver, Sender
+from launcher.distributed.schedule import Schedule
 
 pytestmark = pytest.mark.multiproc
 SCHEDULE = Schedule(steps=3, num_units=1, num_drafters=1, grad_accum=1, eval_every=0, eval_batches=0)
@@ -46,8 +46,9 @@ def _worker(rank: int, store_dir: str, scenario: str) -> None:
             receiver = Receiver(iter(items), lambda unit: 0, torch.device("cpu"), torch.device("cpu"))
             for payload in receiver:
                 ids, mask, hidden = _payload(payload.item.index)
-                assert torch.equal(payload.input_ids, ids) and torch.equal(payload.loss_mask, mask)
-                assert torch.equal(payload.hidden, hidden) and payload.num_tokens == int(mask.sum())
+                batch = payload.batch
+                assert torch.equal(batch.input_ids, ids) and torch.equal(batch.loss_mask, mask)
+                assert torch.equal(batch.hidden, hidden) and batch.num_tokens == int(mask.sum())
             receiver.close([0])
             verdict = f"ok {receiver.received}"
         except ChannelError as exc:

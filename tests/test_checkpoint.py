@@ -2,7 +2,7 @@ import os
 
 import torch
 
-from launcher import checkpoint
+from launcher.run_io import checkpoint
 
 
 def _state(step):

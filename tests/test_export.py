@@ -6,15 +6,13 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from dflash_core.export import export_drafter, load_exported
-from dflash_core.model import DFlashDrafter, DrafterConfig
+from dflash_core.model import DFlashDrafter
+from tests.drafters import drafter_config
 
 
 def drafter_to_export():
-    cfg = DrafterConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=8, intermediate_size=48, vocab_size=50,
-                        block_size=4, target_layer_ids=[1, 3], num_target_layers=4,
-                        mask_token_id=49, layer_types=["full_attention", "sliding_attention"],
-                        sliding_window=6)
+    cfg = drafter_config(target_layer_ids=[1, 3], num_target_layers=4,
+                         layer_types=["full_attention", "sliding_attention"], sliding_window=6)
     return DFlashDrafter(cfg, seed=0)
 
 

@@ -11,7 +11,8 @@ import torch
 
 from dflash_core import attention
 from dflash_core.compile import compile_count
-from dflash_core.model import DFlashDrafter, DrafterConfig
+from dflash_core.model import DFlashDrafter
+from tests.drafters import drafter_config
 
 B, S, N, BS, HIDDEN = 2, 40, 6, 4, 32
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)  # fp32; measured max abs difference ~1.2e-7
@@ -35,10 +36,7 @@ def compiles_before():
 
 @pytest.fixture(scope="module")
 def drafter():
-    cfg = DrafterConfig(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=8, intermediate_size=48, vocab_size=50,
-                        block_size=BS, target_layer_ids=[0, 1], num_target_layers=2,
-                        mask_token_id=49)
+    cfg = drafter_config(hidden_size=HIDDEN, block_size=BS)
     return DFlashDrafter(cfg, seed=0)
 
 

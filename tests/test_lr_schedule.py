@@ -1,7 +1,7 @@
 import pytest
 from omegaconf import OmegaConf
 
-from launcher.lr_schedule import lr_multiplier
+from launcher.roles.lr_schedule import lr_multiplier
 
 
 def _optim(schedule):

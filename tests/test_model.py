@@ -12,14 +12,11 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply
 
 from dflash_core.frozen_head import FrozenTargetHead
 from dflash_core.model import DFlashDrafter, DrafterConfig, default_target_layer_ids
+from tests.drafters import drafter_config
 
 
 def tiny_config(**overrides):
-    fields = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=8, intermediate_size=48, vocab_size=50, block_size=4,
-                  target_layer_ids=[0, 2], num_target_layers=3, mask_token_id=49, rope_theta=100.0)
-    fields.update(overrides)
-    return DrafterConfig(**fields)
+    return drafter_config(**{"target_layer_ids": [0, 2], "num_target_layers": 3, "rope_theta": 100.0, **overrides})
 
 
 def qwen3_8b_config():

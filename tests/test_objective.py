@@ -9,18 +9,17 @@ import torch.nn.functional as F
 
 from dflash_core.anchors import sample_anchors
 from dflash_core.frozen_head import FrozenTargetHead
-from dflash_core.model import DFlashDrafter, DrafterConfig
+from dflash_core.model import DFlashDrafter
 from dflash_core.objective import (block_input_ids, block_labels, default_gamma, drafter_step,
                                    evaluate_tau, loss_weights)
+from tests.drafters import drafter_config
 
 VOCAB, HIDDEN, BS, MASK_ID = 40, 32, 4, 39
 
 
 def tiny_drafter(seed=0):
-    cfg = DrafterConfig(hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=8, intermediate_size=48, vocab_size=VOCAB,
-                        block_size=BS, target_layer_ids=[0, 1], num_target_layers=2,
-                        mask_token_id=MASK_ID)
+    cfg = drafter_config(hidden_size=HIDDEN, num_hidden_layers=1, vocab_size=VOCAB, block_size=BS,
+                         mask_token_id=MASK_ID)
     return DFlashDrafter(cfg, seed=seed)
 
 
@@ -268,10 +267,8 @@ def test_compiled_layers_and_head_loss_match_eager_and_compile_once():
     """compiled=True: same loss and gradients as eager (CPU, sdpa), and a second micro-batch
     with new data at the same shape compiles nothing new."""
     from dflash_core.compile import compile_count
-    cfg = DrafterConfig(hidden_size=HIDDEN, num_hidden_layers=3, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=8, intermediate_size=48, vocab_size=VOCAB,
-                        block_size=BS, target_layer_ids=[0, 1], num_target_layers=2,
-                        mask_token_id=MASK_ID)
+    cfg = drafter_config(hidden_size=HIDDEN, num_hidden_layers=3, vocab_size=VOCAB, block_size=BS,
+                         mask_token_id=MASK_ID)
     eager = DFlashDrafter(cfg, seed=0)
     compiled = copy.deepcopy(eager)
     head = FrozenTargetHead.random(VOCAB, HIDDEN, seed=1)

@@ -3,18 +3,17 @@
 import torch
 
 from dflash_core.frozen_head import FrozenTargetHead
-from dflash_core.model import DFlashDrafter, DrafterConfig
+from dflash_core.model import DFlashDrafter
 from dflash_core.objective import drafter_step, evaluate_tau
+from tests.drafters import drafter_config
 
 VOCAB, HIDDEN, SEQ, BS = 64, 64, 96, 8
 
 
 def test_tiny_drafter_overfits_one_sample():
     torch.manual_seed(0)
-    cfg = DrafterConfig(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=16, intermediate_size=128,
-                        vocab_size=VOCAB, block_size=BS, target_layer_ids=[0, 1],
-                        num_target_layers=2, mask_token_id=VOCAB - 1)
+    cfg = drafter_config(hidden_size=HIDDEN, head_dim=16, intermediate_size=128, vocab_size=VOCAB, block_size=BS,
+                         mask_token_id=VOCAB - 1)
     drafter = DFlashDrafter(cfg, seed=0)
     head = FrozenTargetHead.random(VOCAB, HIDDEN, seed=1)
     gen = torch.Generator().manual_seed(0)

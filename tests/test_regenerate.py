@@ -3,7 +3,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,8 +10,8 @@ import torch
 from dflash_core.data import load_samples, read_records
 from dflash_core.tiny import BUNDLED_DATASET
 from launcher.regenerate import merge_parts, prompt_messages, read_part
+from tests.launching import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 NUM_PROMPTS, MAX_NEW_TOKENS = 16, 24
 
 

@@ -2,7 +2,7 @@ from collections import Counter
 
 import pytest
 
-from launcher.schedule import EVAL, TRAIN, Schedule
+from launcher.distributed.schedule import EVAL, TRAIN, Schedule
 
 
 @pytest.mark.parametrize("units,drafters,accum,eval_every", [(1, 2, 1, 3), (5, 3, 2, 4), (2, 2, 1, 0), (3, 1, 3, 1)])

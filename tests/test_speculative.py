@@ -14,8 +14,9 @@ from dflash_core.frozen_head import FrozenTargetHead
 from dflash_core.model import DFlashDrafter, DrafterConfig
 from dflash_core.speculative import DrafterCache, greedy_decode, speculative_generate
 from dflash_core.tiny import first_unused_token_id
-from launcher import checkpoint
+from launcher.run_io import checkpoint
 from launcher.evaluate import load_drafter
+from tests.drafters import drafter_config
 from tests.launching import REPO
 
 BLOCK_SIZE = 8
@@ -36,15 +37,15 @@ def target(tiny_target_dir):
 
 
 @pytest.fixture(scope="module")
-def drafter_config(tiny_target_dir, target):
+def target_drafter_config(tiny_target_dir, target):
     mask_id = first_unused_token_id(AutoTokenizer.from_pretrained(tiny_target_dir), target.config)
     return DrafterConfig.from_target(target.config, num_layers=2, block_size=BLOCK_SIZE, mask_token_id=mask_id,
                                      target_layer_ids=[0, 2])
 
 
 @pytest.fixture(scope="module")
-def drafter(drafter_config):
-    return DFlashDrafter(drafter_config, seed=0).eval()
+def drafter(target_drafter_config):
+    return DFlashDrafter(target_drafter_config, seed=0).eval()
 
 
 @pytest.fixture(scope="module")
@@ -124,9 +125,7 @@ def test_partial_acceptance_crops_the_caches_exactly(monkeypatch, target, drafte
 @pytest.mark.parametrize("layer_types", [["full_attention", "full_attention"],
                                          ["sliding_attention", "full_attention"]])
 def test_cached_context_equals_the_model_forward(layer_types):
-    cfg = DrafterConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=8, intermediate_size=48, vocab_size=50, block_size=4, target_layer_ids=[1, 3],
-                        num_target_layers=4, mask_token_id=49, layer_types=layer_types, sliding_window=5)
+    cfg = drafter_config(target_layer_ids=[1, 3], num_target_layers=4, layer_types=layer_types, sliding_window=5)
     drafter = DFlashDrafter(cfg, seed=0).eval()
     head = FrozenTargetHead.random(50, 32, seed=1)
     gen = torch.Generator().manual_seed(2)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.launching import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 LAYER_IDS = [0, 2, 3]  # 3 is the last layer: captured after the final norm, which stays replicated
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)  # fp32; measured max |diff| ~2e-6 on values up to ~4
 
@@ -36,7 +36,7 @@ def test_layer_plan_from_qwen3_config():
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     from transformers import Qwen3Config
 
-    from launcher.tensor_parallel import layer_plan
+    from launcher.distributed.tensor_parallel import layer_plan
     plan = layer_plan(Qwen3Config())
     assert {k for k, v in plan.items() if isinstance(v, ColwiseParallel)} == {
         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"}
@@ -47,7 +47,7 @@ def test_layer_plan_from_qwen3_config():
 def test_layer_plan_fallback_and_unknown_style():
     from types import SimpleNamespace
 
-    from launcher.tensor_parallel import FALLBACK_LAYER_PLAN, TensorParallelError, layer_plan
+    from launcher.distributed.tensor_parallel import FALLBACK_LAYER_PLAN, TensorParallelError, layer_plan
     assert set(layer_plan(SimpleNamespace(base_model_tp_plan=None))) == set(FALLBACK_LAYER_PLAN)
     packed = SimpleNamespace(base_model_tp_plan={"layers.*.mlp.gate_up_proj": "packed_colwise"})
     with pytest.raises(TensorParallelError, match="packed_colwise"):
@@ -57,7 +57,7 @@ def test_layer_plan_fallback_and_unknown_style():
 def test_heads_must_divide():
     from transformers import Qwen3Config
 
-    from launcher.tensor_parallel import TensorParallelError, check_divisible
+    from launcher.distributed.tensor_parallel import TensorParallelError, check_divisible
     config = Qwen3Config(num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
     check_divisible(config, 2)
     with pytest.raises(TensorParallelError, match="tp_size=4 .*num_key_value_heads=2"):
@@ -65,12 +65,13 @@ def test_heads_must_divide():
 
 
 def test_config_validation():
-    from launcher.config import ConfigError, compose_config, validate
-    validate(compose_config(["target.parallel=tensor", "target.tp_size=2"]))
+    from launcher.config import ConfigError, compose_config
+    from launcher.resolve import check_combinations
+    check_combinations(compose_config(["target.parallel=tensor", "target.tp_size=2"]))
     with pytest.raises(ConfigError, match="target.parallel='pipeline'"):
-        validate(compose_config(["target.parallel=pipeline"]))
+        compose_config(["target.parallel=pipeline"])
     with pytest.raises(ConfigError, match="target.tp_size=2.*replicate"):
-        validate(compose_config(["target.tp_size=2"]))
+        check_combinations(compose_config(["target.tp_size=2"]))
 
 
 # ----------------------------------------------------------------------------- multi-process
@@ -112,8 +113,8 @@ def _worker(out_dir: str, target_dir: str) -> None:
     import torch.distributed as dist
 
     from dflash_core.target import load_target
-    from launcher.tensor_parallel import shard_target
-    from launcher.topology import Topology, build_groups
+    from launcher.distributed.tensor_parallel import shard_target
+    from launcher.distributed.topology import Topology, build_groups
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()

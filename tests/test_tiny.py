@@ -1,15 +1,14 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_core.tiny import BUNDLED_DATASET, build_tiny_target, first_unused_token_id
+from tests.launching import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_build_loads_back_as_a_qwen3_checkpoint(tiny_target_dir):

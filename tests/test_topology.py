@@ -1,7 +1,7 @@
 import pytest
 
 from launcher.config import ConfigError
-from launcher.topology import parse_topology
+from launcher.distributed.topology import parse_topology
 
 
 @pytest.mark.parametrize("spec,world,targets,drafters", [("t1d1", 2, 1, 1), ("t1d2", 3, 1, 2), ("t5d3", 8, 5, 3),

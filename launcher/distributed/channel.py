@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from launcher.schedule import Item
+from launcher.distributed.schedule import Item
 
 HEADER_LEN = 10
 HIDDEN_DTYPE = torch.bfloat16  # hidden states travel in bf16 whatever the target computes in
@@ -38,12 +38,19 @@ def _wait_all(works, comm_device: torch.device) -> None:
 
 
 @dataclass
-class Payload:
-    item: Item
+class FeatureBatch:
+    """One micro-batch as a drafter trains on it."""
+    index: int                # global micro-batch index in its source (seeds the anchors)
     input_ids: torch.Tensor   # [B, S] int64
     loss_mask: torch.Tensor   # [B, S] int64
-    hidden: torch.Tensor      # [B, S, L*H]
+    hidden: torch.Tensor      # [B, S, L*H] target features
     num_tokens: int           # non-padding tokens
+
+
+@dataclass
+class Payload:
+    item: Item                # where it sits in the stream
+    batch: FeatureBatch
 
 
 def _header(item: Item | None, batch_shape=(0, 0), width=0, dtype=torch.bfloat16, num_tokens=0) -> list[int]:
@@ -147,7 +154,7 @@ class Receiver:
         self._pending = self._post(nxt) if nxt is not None else None
         self.received.append(item.seq)
         input_ids, loss_mask, hidden = (t.to(self.device, non_blocking=True) for t in tensors)
-        return Payload(item, input_ids, loss_mask, hidden, num_tokens)
+        return Payload(item, FeatureBatch(item.index, input_ids, loss_mask, hidden, num_tokens))
 
     def close(self, unit_leaders: list[int]) -> None:
         """Every unit ends with an EOS header to every drafter: read them so no send is left hanging."""

@@ -9,11 +9,11 @@ with its next micro-batch, so the result says how often a step failed, not just 
 tracing flag is process-global, and compiled calls made while it is set fail ("Detected that you
 are using FX to symbolically trace a dynamo-optimized function").
 
-    python -m launcher.thread_baseline --spec spec.json --out result.json
+    python -m launcher.bench.thread_baseline --spec spec.json --out result.json
 
 spec.json: {"target_dir", "drafter_config" (DrafterConfig fields), "seq_len", "num_anchors",
 "chunk_blocks", "items_per_thread", "target_device", "drafter_devices" (one per thread),
-"backend", "fx_noise", "timeout_s", "seed", "lr"}. launcher/bench.py writes it.
+"backend", "fx_noise", "timeout_s", "seed", "lr"}. launcher/bench/__main__.py writes it.
 """
 from __future__ import annotations
 
@@ -230,7 +230,7 @@ def run_baseline(spec: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--spec", required=True, help="JSON spec written by launcher/bench.py")
+    parser.add_argument("--spec", required=True, help="JSON spec written by python -m launcher.bench")
     parser.add_argument("--out", required=True, help="where to write the JSON result")
     args = parser.parse_args()
     with open(args.spec) as f:

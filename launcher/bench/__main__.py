@@ -26,9 +26,11 @@ from pathlib import Path
 
 import torch
 
-from launcher.bench_stages import (
-    REPO, SHAPES, balance_advice, baseline_stage, drafter_stage, e2e_stage, matmul_ceiling, progress,
-    run_overrides, target_stage, write_bench_target, write_synthetic_data)
+from launcher.bench.counts import SHAPES, balance_advice
+from launcher.bench.inputs import run_overrides, write_bench_target, write_synthetic_data
+from launcher.bench.report import fmt, format_table
+from launcher.bench.stages import (REPO, baseline_stage, drafter_stage, e2e_stage, matmul_ceiling, progress,
+                                   target_stage)
 
 GPU_DEFAULTS = dict(seq="2048,4096", steps=10, warmup=3, e2e_steps=40, baseline_steps=20, anchors=512,
                     e2e_timeout=240, baseline_timeout=200)
@@ -84,21 +86,6 @@ def default_out() -> Path:
     return REPO / "runs" / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
 
 
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def format_table(rows: list[dict]) -> str:
-    header = ("#", "row", "S", "ms/step", "tokens/s", "TFLOP/s", "MFU", "notes")
-    lines = [header]
-    for r in rows:
-        lines.append((str(r.get("n", "")), r["row"], _fmt(r.get("seq_len"), "d"), _fmt(r.get("ms_per_step"), ".1f"),
-                      _fmt(r.get("tokens_per_s"), ".0f"), _fmt(r.get("tflops"), ".2f"), _fmt(r.get("mfu"), ".3f"),
-                      r.get("notes", "")))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line[:-1], widths)) + "  " + line[-1] for line in lines)
-
-
 def _tokenizer_source(args) -> Path:
     if args.tokenizer:
         return Path(args.tokenizer)
@@ -121,12 +108,10 @@ def _error_row(n: int, name: str, exc: BaseException) -> dict:
 
 
 def run(args) -> dict:
-    from transformers import AutoConfig
-
     from launcher.config import compose_config
-    from launcher.isolation import isolate
-    from launcher.setup_models import compute_dtype, drafter_config
-    from launcher.topology import parse_topology
+    from launcher.distributed.isolation import isolate
+    from launcher.distributed.topology import Topology, parse_topology
+    from launcher.resolve import resolve
 
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -146,8 +131,6 @@ def run(args) -> dict:
     over = dict(target_dir=target_dir, data_path=data_path, tiny=args.tiny, anchors=args.anchors, work=work)
     extra = ([] if cuda else ["run.device=cpu"]) + list(args.overrides)   # --tiny on a GPU stays on the CPU
     cfg = compose_config(run_overrides(seq_len=max(args.seqs), steps=args.warmup + args.steps, **over) + extra)
-    dcfg = drafter_config(cfg)
-    hf_config = AutoConfig.from_pretrained(target_dir)
     cache_root = work / "compile_cache"
     # The drafter stage compiles into the cache dir of the end-to-end run's first drafter, on that rank's
     # GPU: inductor's cache keys include the device, and a miss costs minutes at the 8B shape.
@@ -155,11 +138,13 @@ def run(args) -> dict:
     drafter_device = torch.device("cuda", first_drafter) if cuda and num_gpus > first_drafter else device
     iso = isolate("drafter", first_drafter, 1, cache_root, drafter_device, cfg.isolation.recompile_limit,
                   cfg.isolation.compile_threads)
+    job = resolve(cfg, Topology(num_targets=0, num_drafters=1), drafter_device)   # one drafter rank
+    dcfg, hf_config = job.drafter, job.target.hf_config
     meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
             "num_gpus": num_gpus, "tiny": args.tiny, "seqs": args.seqs, "anchors": args.anchors,
             "shape": shape, "drafter": {"num_layers": dcfg.num_hidden_layers, "block_size": dcfg.block_size,
                                         "target_layer_ids": dcfg.target_layer_ids,
-                                        "mask_token_id": dcfg.mask_token_id, "backend": cfg.drafter.backend},
+                                        "mask_token_id": dcfg.mask_token_id, "backend": job.step.backend},
             "data": data_info, "args": {k: v for k, v in vars(args).items() if k != "seqs"}}
     rows: list[dict] = []
 
@@ -171,7 +156,7 @@ def run(args) -> dict:
 
     def measure_target():
         progress("row 2: target alone")
-        return target_stage(hf_config, dcfg.target_layer_ids, device, compute_dtype(cfg.target.dtype, device),
+        return target_stage(hf_config, dcfg.target_layer_ids, device, job.target.dtype,
                             args.seqs, warmup=args.warmup, reps=args.steps, ceiling=ceiling)
     target_rows = _measured(rows, 2, "target alone", measure_target,
                             skipped="skipped (--skip-target)" if args.skip_target else None) or []
@@ -180,8 +165,8 @@ def run(args) -> dict:
 
     def measure_drafter():
         progress("row 3: drafter alone (DrafterTrainer.train_step)")
-        return drafter_stage(cfg, drafter_device, args.seqs, work=work, isolation=iso, warmup=args.warmup,
-                             steps=args.steps, ceiling=ceiling, profile=args.profile)
+        return drafter_stage(job, args.seqs, work=work, warmup=args.warmup, steps=args.steps, ceiling=ceiling,
+                             profile=args.profile)
     drafter_rows = _measured(rows, 3, "drafter alone", measure_drafter,
                              skipped="skipped (--skip-drafter)" if args.skip_drafter else None) or []
     rows += [{"n": 3, **r} for r in drafter_rows]
@@ -259,7 +244,7 @@ def _e2e_row(summary: dict, seq_len: int, target_rate: dict, drafter_rate: dict,
             "compile_s_per_drafter": summary.get("compile_s", {}),
             "overall_tokens_per_s": summary["tokens_per_s"], "steps": summary["steps"], "wall_s": summary["wall_s"],
             "first_loss": summary.get("first_loss"), "last_loss": summary.get("last_loss"), "summary": summary,
-            "notes": f"efficiency {_fmt(efficiency, '.2f')}, idle target {summary['target_idle_fraction']:.0%} "
+            "notes": f"efficiency {fmt(efficiency, '.2f')}, idle target {summary['target_idle_fraction']:.0%} "
                      f"drafter {summary['drafter_idle_fraction']:.0%}, channel {summary['channel_gb_per_s']:.2f} GB/s, "
                      f"compiles {dict(compiles)}, compile s "
                      f"{ {r: round(v, 1) for r, v in summary.get('compile_s', {}).items() if v is not None} }"}

@@ -1,0 +1,1 @@
+"""`python -m launcher.bench`: the GPU benchmark harness (see __main__.py)."""

@@ -1,0 +1,143 @@
+"""What every command line shares: `--help`, `--cfg job|all`, `--info`, the multirun answer, and the
+one way a failing process reports and exits.
+
+The commands compose their config with hydra's compose API (every rank under torchrun composes
+it alone), so hydra's own `@hydra.main` flags are provided here, in the same words.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+from launcher.config import CONF_DIR, compose_config, config_yaml, schema
+
+log = logging.getLogger("dflash")
+PEER_REPORT_TIMEOUT_S = 15.0
+
+
+# ----------------------------------------------------------------------------------- flags
+def _keys(node_type, prefix=""):
+    """(key, type, default, doc) of every knob of a schema dataclass, depth first."""
+    for spec in dataclasses.fields(node_type):
+        if dataclasses.is_dataclass(spec.default_factory):
+            yield from _keys(spec.default_factory, f"{prefix}{spec.name}.")
+            continue
+        default = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
+        rules = {k: v for k, v in spec.metadata.items() if k not in ("doc", "each")}
+        yield f"{prefix}{spec.name}", str(spec.type), default, spec.metadata.get("doc", ""), rules
+
+
+def help_text(config_name: str, usage: str) -> str:
+    root = schema.ROOTS[config_name]
+    groups = []
+    for group in sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir()):
+        if any(spec.name == group for spec in dataclasses.fields(root)):
+            options = sorted(f.stem for f in (CONF_DIR / group).glob("*.yaml"))
+            groups.append(f"  {group}: {', '.join(options)}")
+    lines = [root.__doc__.strip(), "", usage.strip(), "", "Config groups (pick one: group=option):", *groups, "",
+             "Keys (override with key=value; defaults from launcher/config/schema.py before the group option):"]
+    for key, kind, default, doc, rules in _keys(root):
+        allowed = f" [{', '.join(f'{k} {v}' for k, v in rules.items())}]" if rules else ""
+        lines.append(f"  {key}={default!r}  ({kind.replace('Optional[', '').rstrip(']')}){allowed}\n      {doc}")
+    lines += ["", "Flags: --help | --cfg job (the composed config, then exit) | --cfg all (with hydra's own section) "
+                  "| --info (where the config comes from)"]
+    return "\n".join(lines)
+
+
+def parse_flags(argv: list[str], config_name: str, usage: str) -> list[str]:
+    """Handle the flags (printing and exiting 0); return the overrides."""
+    if any(arg in ("-m", "--multirun") for arg in argv):
+        raise SystemExit("error: --multirun is not supported: a drafter job owns its GPUs and run.dir; launch one "
+                         "job per setting instead, e.g. `for s in 100 200; do torchrun ... train.steps=$s "
+                         "run.dir=runs/sweep/$s; done`")
+    if "-h" in argv or "--help" in argv:
+        print(help_text(config_name, usage))
+        raise SystemExit(0)
+    if "--info" in argv:
+        print(f"config: {CONF_DIR / (config_name + '.yaml')} on top of {schema.ROOTS[config_name].__name__} "
+              f"(launcher/config/schema.py)\ngroups: {CONF_DIR}/<group>/<option>.yaml\n"
+              f"overrides: {[a for a in argv if a != '--info']}")
+        raise SystemExit(0)
+    if "--cfg" in argv:
+        at = argv.index("--cfg")
+        which = argv[at + 1] if at + 1 < len(argv) else None
+        if which not in ("job", "all"):
+            raise SystemExit("error: --cfg takes job or all")
+        overrides = argv[:at] + argv[at + 2:]
+        print(config_yaml(compose_config(overrides, config_name)), end="")
+        if which == "all":
+            print(f"hydra:\n  config_dir: {CONF_DIR}\n  config_name: {config_name}\n  overrides: {overrides}")
+        raise SystemExit(0)
+    unknown = [arg for arg in argv if arg.startswith("-")]
+    if unknown:
+        raise SystemExit(f"error: unknown flag {unknown[0]!r}; see --help")
+    return argv
+
+
+# ----------------------------------------------------------------------------------- failures
+def die_with_parent() -> None:
+    """Linux: this worker gets SIGKILL when its parent (the torchrun agent) dies, so a killed
+    torchrun leaves no orphan writing checkpoints."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        parent = os.getppid()
+        libc.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+        if os.getppid() != parent:      # the parent died before prctl took effect
+            os._exit(1)
+    except OSError:
+        pass  # not Linux: torchrun's own teardown is all there is
+
+
+def _let_peers_report(timeout_s: float = PEER_REPORT_TIMEOUT_S) -> None:
+    """Before any process group exists a config error hits every rank alike, but torchrun stops all
+    workers as soon as one exits: wait (bounded) until every rank has reported its own failure,
+    counted in torchrun's store."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world <= 1 or "MASTER_ADDR" not in os.environ:
+        return
+    import torch.distributed as dist
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=5))
+        key = f"dflash/failed_before_start/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        store.add(key, 1)
+        deadline = time.monotonic() + timeout_s
+        while store.add(key, 0) < world and time.monotonic() < deadline:
+            time.sleep(0.1)
+    except (RuntimeError, OSError, ValueError):
+        pass  # no agent store to meet at: exit now
+
+
+def run_main(run, config_name: str, usage: str) -> None:
+    """Parse the flags, run `run(overrides)`, and on failure log it (role and rank in every line),
+    let peers report too, and exit non-zero at once."""
+    from hydra.errors import HydraException
+
+    from launcher.run_io.rundir import setup_logging
+    if not log.handlers:
+        setup_logging(config_name if config_name != "config" else "train", logging.INFO)
+    try:
+        code = run(parse_flags(sys.argv[1:], config_name, usage))
+    except BaseException as exc:  # every rank reports its own failure, then exits non-zero at once
+        if isinstance(exc, SystemExit):
+            raise
+        expected = isinstance(exc, (ValueError, OSError, HydraException))
+        message = str(exc).splitlines()[0] if isinstance(exc, HydraException) else str(exc)
+        if isinstance(exc, HydraException) and exc.__cause__ is not None:
+            message += f" ({str(exc.__cause__).splitlines()[0]})"
+        log.error("failed: %s: %s", type(exc).__name__, message, exc_info=not expected)
+        logging.shutdown()
+        sys.stderr.flush()
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()):
+            _let_peers_report()
+        # os._exit: a process group may still be alive, and its teardown can block.
+        os._exit(1)
+    logging.shutdown()
+    sys.exit(code)

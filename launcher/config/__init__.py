@@ -1,0 +1,91 @@
+"""Compose a command's config from conf/ and the schema, identically on every rank, and check it.
+
+Hydra's compose API rather than @hydra.main: under torchrun every rank composes the same config
+itself, with no per-rank output directories, no chdir and no `${now:}` per rank. The structured
+configs in schema.py type every key; `check()` enforces their declared ranges and choices.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from launcher.config import schema
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key and the value."""
+
+
+def _register_schemas() -> None:
+    store = ConfigStore.instance()
+    for name, node in schema.ROOTS.items():
+        store.store(name=f"{name}_schema", node=node)
+
+
+_register_schemas()
+
+
+def compose_config(overrides: list[str], config_name: str = "config") -> DictConfig:
+    """The resolved, struct-mode config of `conf/<config_name>.yaml` with `overrides`, checked
+    against its schema's ranges and choices (ConfigError naming the key otherwise)."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="dflash"):
+        cfg = compose(config_name=config_name, overrides=overrides)
+    OmegaConf.resolve(cfg)
+    OmegaConf.set_struct(cfg, True)
+    check(cfg, schema.ROOTS[config_name])
+    return cfg
+
+
+def config_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True, sort_keys=True)
+
+
+def config_hash(cfg: DictConfig) -> str:
+    return hashlib.sha256(config_yaml(cfg).encode()).hexdigest()[:16]
+
+
+def require(cfg: DictConfig, ok: bool, key: str, why: str) -> None:
+    """Raise a ConfigError naming `key` and its value unless `ok`."""
+    if not ok:
+        raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r}: {why}")
+
+
+def _violation(value, rules: dict) -> str | None:
+    """Why `value` breaks `rules` (knob's ge/gt/le/lt/choices), or None. None values pass:
+    a field that may be null says so in its type."""
+    if value is None:
+        return None
+    if "choices" in rules and value not in rules["choices"]:
+        return "must be one of " + ", ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in rules["choices"])
+    bounds = [("ge", lambda a, b: a >= b, ">="), ("gt", lambda a, b: a > b, ">"),
+              ("le", lambda a, b: a <= b, "<="), ("lt", lambda a, b: a < b, "<")]
+    for name, holds, symbol in bounds:
+        if name in rules and not (isinstance(value, (int, float)) and holds(value, rules[name])):
+            return f"must be {symbol} {rules[name]}"
+    return None
+
+
+def check(cfg: DictConfig, node_type, prefix: str = "") -> None:
+    """Every field of `node_type` (a schema dataclass) present in `cfg` obeys its declared rules."""
+    for spec in dataclasses.fields(node_type):
+        key = prefix + spec.name
+        if OmegaConf.is_missing(cfg, spec.name):
+            raise ConfigError(f"{key} is required: {spec.metadata['doc']}")
+        value = cfg[spec.name]
+        if dataclasses.is_dataclass(spec.default_factory):   # a nested section
+            check(value, spec.default_factory, key + ".")
+            continue
+        rules = {k: v for k, v in spec.metadata.items() if k != "doc"}
+        items = list(value) if "each" in rules and value is not None else [value]
+        for item in items:
+            why = _violation(item, rules.get("each", rules))
+            if why:
+                shown = OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+                raise ConfigError(f"{key}={shown!r}: {why}")

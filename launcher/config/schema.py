@@ -1,0 +1,227 @@
+"""Every knob of every command, typed once: its type, default, allowed values and one line of meaning.
+
+These dataclasses are hydra structured configs (registered in launcher/config/__init__.py): the
+YAML options under conf/<group>/ only override values, omegaconf rejects unknown keys and wrong
+types, and `check()` enforces the ranges and choices declared here, before any process group
+forms. `--help` prints this file's docs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+AUTO_BOOL = ("auto", True, False)
+DEVICES = ("auto", "cpu", "cuda")
+BAD_LINE = ("fail", "skip")
+
+
+def knob(default, doc: str, *, ge=None, gt=None, le=None, lt=None, choices=None, each=None):
+    """A config field: default, one line of meaning, and what `check()` enforces. `each` applies
+    the bounds to every element of a list value instead of the value itself."""
+    rules = {k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt, choices=choices, each=each).items() if v is not None}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc, **rules})
+    return field(default=default, metadata={"doc": doc, **rules})
+
+
+def required(doc: str):
+    """A field the user must set (omegaconf's `???`)."""
+    return field(default=MISSING, metadata={"doc": doc})
+
+
+# ----------------------------------------------------------------------------------- groups
+@dataclass
+class TargetSettings:
+    path: str = required("local Hugging Face model directory of the frozen target (config, weights, tokenizer)")
+    build_tiny: bool = knob(False, "build the embedded tiny target at `path` when it is missing (no download)")
+    family: Optional[str] = knob(None, "tiny target family to build (qwen3, qwen3_moe, qwen3_5, qwen3_5_moe, llama, gpt_oss)")
+    dtype: str = knob("auto", "compute dtype: auto (bf16 on GPU, fp32 on CPU)",
+                      choices=("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32"))
+    parallel: str = knob("replicate", "replicate: each target rank a whole copy | tensor: tp_size ranks per unit",
+                         choices=("replicate", "tensor"))
+    tp_size: int = knob(1, "ranks per tensor-parallel target unit (target.parallel=tensor)", ge=1)
+    random_weights: bool = knob(False, "benchmarks: the checkpoint's shapes with random weights (no weights read)")
+
+
+@dataclass
+class DrafterSettings:
+    num_layers: int = knob(5, "drafter decoder layers", ge=1)
+    block_size: int = knob(16, "tokens drafted per block (slot 0 holds the anchor token)", ge=2)
+    num_anchors: int = knob(512, "blocks per row (padded with invalid blocks: one static shape)", ge=1)
+    target_layer_ids: Optional[list] = knob(None, "target layers whose outputs feed the drafter (HF numbering); "
+                                                  "null: spread evenly (dflash_spec)")
+    mask_token_id: Any = knob("auto", "token id of the masked slots; auto: first unused embedding row of the target")
+    backend: str = knob("auto", "attention backend: auto (flex on GPU, sdpa on CPU) | flex | sdpa",
+                        choices=("auto", "flex", "sdpa"))
+    compile: Any = knob("auto", "torch.compile the layers and head loss: auto (flex at data.fixed_length)",
+                        choices=AUTO_BOOL)
+    loss: str = knob("dflash", "loss weighting: dflash (exp decay over slots) | dpace", choices=("dflash", "dpace"))
+    gamma: Optional[float] = knob(None, "dflash decay constant; null: by block size (7 for 16, 5 for 10, 4 for 8)",
+                                  gt=0)
+    dpace_alpha: float = knob(0.5, "D-PACE acceptance floor alpha", ge=0, le=1)
+    chunk_blocks: int = knob(32, "blocks per LM-head chunk (bounds the logits held at once)", ge=1)
+    feature_noise_std: float = knob(0.0, "Gaussian noise std added to the target features", ge=0)
+    hidden_size: Optional[int] = knob(None, "null: the target's (a drafter must match it)", ge=1)
+    intermediate_size: Optional[int] = knob(None, "null: the target's", ge=1)
+    layer_types: Optional[list] = knob(None, "null: all full_attention; or full_attention | sliding_attention per layer")
+    sliding_window: Optional[int] = knob(None, "window of sliding_attention layers", ge=1)
+
+
+@dataclass
+class DataSettings:
+    paths: list = knob(["bundled:tiny_chat"], "local .jsonl/.json/.parquet files or datasets dirs; "
+                                              "bundled:tiny_chat is the embedded set")
+    tokenizer: Optional[str] = knob(None, "tokenizer directory; null: the target's")
+    max_length: int = knob(2048, "longer conversations are truncated to this many tokens", ge=4)
+    fixed_length: Optional[int] = knob(None, "every row has this length (one static shape, compiled once); "
+                                             "null: pad each batch to a multiple of length_multiple", ge=4)
+    packing: Optional[bool] = knob(None, "fill fixed-length rows with several whole conversations; "
+                                         "null: on when fixed_length is set")
+    length_multiple: int = knob(64, "without fixed_length: pad each micro-batch to a multiple of this", ge=1)
+    last_turn_only: bool = knob(False, "supervise only the last assistant turn of each conversation")
+    chat_template_kwargs: dict = knob({}, "passed to the chat template, e.g. {enable_thinking: false}")
+    on_bad_line: str = knob("fail", "a malformed record: fail (naming file and line) | skip (counted)",
+                            choices=BAD_LINE)
+    eval_fraction: float = knob(0.05, "held-out share of the samples", ge=0, lt=1)
+    cache_dir: str = knob(".cache/tokenized", "tokenised-data cache (keyed by file bytes, tokenizer, settings)")
+
+
+@dataclass
+class OptimSettings:
+    lr: float = knob(6e-4, "peak learning rate of AdamW", gt=0, le=1)
+    weight_decay: float = knob(0.0, "AdamW weight decay", ge=0, lt=1)
+    betas: list = knob([0.9, 0.95], "AdamW betas", each=dict(ge=0, lt=1))
+    eps: float = knob(1e-8, "AdamW epsilon", gt=0)
+    grad_clip: float = knob(1.0, "max global gradient norm", gt=0)
+    schedule: str = knob("cosine", "lr after warmup: cosine | wsd (warmup-stable-decay) | constant",
+                         choices=("cosine", "wsd", "constant"))
+    warmup_fraction: float = knob(0.04, "share of steps warming up linearly", ge=0, le=1)
+    decay_fraction: float = knob(0.2, "wsd: share of steps decaying at the end", ge=0, le=1)
+    min_lr_ratio: float = knob(0.1, "final lr as a fraction of the peak", ge=0, le=1)
+
+
+# ----------------------------------------------------------------------------------- sections
+@dataclass
+class RunSettings:
+    dir: Optional[str] = knob(None, "run directory; null: rank 0 picks runs/<timestamp> once")
+    seed: int = knob(0, "seed of the data order, anchors and initialisation", ge=0)
+    device: str = knob("auto", "auto (cuda when every rank has its own GPU) | cpu | cuda", choices=DEVICES)
+    timeout_s: float = knob(300.0, "process-group timeout: no collective or receive waits longer", gt=0)
+    startup_timeout_s: float = knob(1800.0, "how long ranks wait for each other's loading and compiling", gt=0)
+    warm_up: Any = knob("auto", "compile the drafter before the stream starts: auto (with data.fixed_length)",
+                        choices=AUTO_BOOL)
+    log_every: int = knob(10, "metrics interval in optimiser steps", ge=1)
+    resume: str = knob("auto", "auto: latest checkpoint of this run | never | <checkpoint dir>")
+    checkpoint_every: int = knob(0, "checkpoint interval in steps (0: only the final checkpoint)", ge=0)
+    keep_checkpoints: int = knob(2, "complete checkpoints kept (older ones are pruned)", ge=1)
+    export: bool = knob(True, "write the Hugging Face drafter directory at the end")
+    progress: bool = knob(True, "progress bar on the lead drafter")
+    max_bad_steps: int = knob(3, "consecutive non-finite steps (skipped) before the job stops", ge=1)
+
+
+@dataclass
+class TrainSettings:
+    steps: int = knob(200, "optimiser steps", ge=1)
+    micro_batch_size: int = knob(4, "rows per micro-batch", ge=1)
+    grad_accum: int = knob(1, "micro-batches per drafter rank per step", ge=1)
+    eval_every: int = knob(50, "held-out evaluation interval in steps (0: only at the end)", ge=0)
+    eval_batches: int = knob(2, "held-out micro-batches per drafter rank per evaluation", ge=0)
+
+
+@dataclass
+class ChannelSettings:
+    max_in_flight: int = knob(2, "sends a target may have outstanding (backpressure, bounded memory)", ge=1)
+
+
+@dataclass
+class IsolationSettings:
+    cache_root: Optional[str] = knob(None, "per-rank compile caches under <cache_root or run.dir/compile_cache>")
+    recompile_limit: int = knob(8, "dynamo recompiles allowed per function", ge=1)
+    compile_threads: Any = knob("auto", "inductor compile workers per rank: auto (cores / local ranks) or a number")
+
+
+@dataclass
+class MetricsSettings:
+    trackers: list = knob(["tensorboard"], "where the lead drafter logs besides metrics.jsonl: "
+                                           "tensorboard | mlflow | wandb", each=dict(choices=("tensorboard", "mlflow", "wandb")))
+    project: str = knob("dflash", "experiment / project name for mlflow and wandb")
+
+
+@dataclass
+class FaultSettings:
+    rank: Optional[int] = knob(None, "test only: the rank that dies", ge=0)
+    step: Optional[int] = knob(None, "test only: the optimiser step it dies at", ge=0)
+    kind: str = knob("kill", "kill (SIGKILL) | raise", choices=("kill", "raise"))
+    once: bool = knob(True, "only on torchrun's first attempt, so --max-restarts recovers")
+
+
+@dataclass
+class EvaluateSettings:
+    drafter: Optional[str] = knob(None, "an exported drafter dir (runs/<name>/export) or a checkpoint dir")
+    data: Any = knob("bundled:tiny_chat", "chats to take prompts from (a path or a list of paths)")
+    num_prompts: int = knob(16, "the first N conversations; prompt = turns before the last assistant turn", ge=1)
+    max_new_tokens: int = knob(64, "tokens generated per prompt", ge=1)
+    device: str = knob("auto", "auto (cuda when available) | cpu | cuda", choices=DEVICES)
+    check_lossless: bool = knob(True, "also decode greedily with the target alone and compare token for token")
+    output: Optional[str] = knob(None, "JSON result path; null: <drafter dir>.speculative.json")
+    seed: int = knob(0, "seed of the tiny target build when it is missing (match the run's run.seed)", ge=0)
+
+
+@dataclass
+class RegenerateSettings:
+    input: str = knob("bundled:tiny_chat", "chats whose prompts are answered (ShareGPT accepted)")
+    output: str = required("the regenerated .jsonl (written atomically by rank 0)")
+    overwrite: bool = knob(False, "replace an existing output file")
+    tokenizer: Optional[str] = knob(None, "null: the target's tokenizer")
+    drop_last_assistant: bool = knob(True, "a conversation ending with an assistant turn is answered again without it")
+    limit: Optional[int] = knob(None, "answer only the first N usable prompts", ge=1)
+    max_prompt_length: int = knob(2048, "longer prompts (in tokens) are skipped and counted", ge=1)
+    max_new_tokens: int = knob(2048, "tokens generated per answer", ge=1)
+    batch_size: int = knob(16, "prompts per generate() call on each rank (left-padded)", ge=1)
+    temperature: float = knob(0.0, "0: greedy; > 0: sampling", ge=0)
+    top_p: float = knob(1.0, "nucleus sampling mass", gt=0, le=1)
+    top_k: int = knob(0, "0: no top-k cut", ge=0)
+    seed: int = knob(0, "sampling seed (rank r uses seed + r)", ge=0)
+    chat_template_kwargs: dict = knob({}, "passed to apply_chat_template, e.g. {enable_thinking: false}")
+    on_bad_line: str = knob("fail", "fail | skip malformed input records", choices=BAD_LINE)
+    resume: bool = knob(True, "keep answers already in <output>.parts/ from an interrupted identical run")
+    device: str = knob("auto", "auto (cuda when available) | cpu | cuda", choices=DEVICES)
+    timeout_s: float = knob(7200.0, "process-group timeout: ranks wait this long for the slowest one", gt=0)
+    log_every: int = knob(10, "progress line every N batches (rank 0)", ge=1)
+
+
+# ----------------------------------------------------------------------------------- roots
+@dataclass
+class TrainJob:
+    """`torchrun ... -m launcher.train`: train a drafter."""
+    target: TargetSettings = field(default_factory=TargetSettings)
+    drafter: DrafterSettings = field(default_factory=DrafterSettings)
+    data: DataSettings = field(default_factory=DataSettings)
+    optim: OptimSettings = field(default_factory=OptimSettings)
+    topology: str = knob("auto", "t<T>d<D>: T target ranks then D drafter ranks; auto: 1 target unit")
+    run: RunSettings = field(default_factory=RunSettings)
+    train: TrainSettings = field(default_factory=TrainSettings)
+    channel: ChannelSettings = field(default_factory=ChannelSettings)
+    isolation: IsolationSettings = field(default_factory=IsolationSettings)
+    metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    fault: FaultSettings = field(default_factory=FaultSettings)
+
+
+@dataclass
+class EvaluateJob:
+    """`python -m launcher.evaluate`: real acceptance length by speculative decoding."""
+    target: TargetSettings = field(default_factory=TargetSettings)
+    evaluate: EvaluateSettings = field(default_factory=EvaluateSettings)
+
+
+@dataclass
+class RegenerateJob:
+    """`torchrun ... -m launcher.regenerate`: answer a dataset's prompts with the target itself."""
+    target: TargetSettings = field(default_factory=TargetSettings)
+    regenerate: RegenerateSettings = field(default_factory=RegenerateSettings)
+
+
+GROUPS = {"target": TargetSettings, "drafter": DrafterSettings, "data": DataSettings, "optim": OptimSettings}
+ROOTS = {"config": TrainJob, "evaluate": EvaluateJob, "regenerate": RegenerateJob}

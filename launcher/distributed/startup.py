@@ -1,0 +1,125 @@
+"""Process start-up under torchrun: device, process groups, the run dir, isolation, the resolved job
+and the resume point, in one fixed order on every rank."""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from launcher.config import config_hash, config_yaml
+from launcher.context import Context
+from launcher.distributed.isolation import isolate
+from launcher.distributed.topology import Topology, build_groups
+from launcher.resolve import ensure_embedded_target, resolve, resolve_device
+from launcher.run_io import checkpoint
+from launcher.run_io.rundir import default_run_dir, prepare_run_dir, setup_logging
+
+log = logging.getLogger("dflash")
+
+
+@dataclass(frozen=True)
+class ProcessEnv:
+    """What torchrun tells a worker about its place."""
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+    restart: int     # torchrun's attempt number (TORCHELASTIC_RESTART_COUNT)
+
+    @classmethod
+    def from_environ(cls) -> "ProcessEnv":
+        def get(name: str, default: int) -> int:
+            return int(os.environ.get(name, default))
+        return cls(get("RANK", 0), get("WORLD_SIZE", 1), get("LOCAL_RANK", 0), get("LOCAL_WORLD_SIZE", 1),
+                   get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
+def _backend_for(device: torch.device, local_world: int) -> str:
+    # NCCL cannot put two ranks on one GPU: share GPUs over gloo (payloads travel through host memory).
+    return "nccl" if device.type == "cuda" and torch.cuda.device_count() >= local_world else "gloo"
+
+
+def _agree_on_run_dir(cfg: DictConfig, env: ProcessEnv, control) -> Path:
+    """Rank 0 decides and creates the run dir once; every rank gets the path or rank 0's error."""
+    box = [None, None]
+    if env.rank == 0:
+        try:
+            if cfg.run.dir is None and env.restart > 0:
+                raise OSError("run.dir=None: a restarted job must find its checkpoints; pass a fixed run.dir")
+            box[0] = str(prepare_run_dir(cfg.run.dir or default_run_dir()))
+        except OSError as exc:
+            box[1] = str(exc)
+    dist.broadcast_object_list(box, src=0, group=control)
+    if box[1] is not None:
+        raise OSError(box[1])
+    # Ranks on other nodes may not share rank 0's filesystem: each makes the dir where it runs.
+    return prepare_run_dir(box[0])
+
+
+def _check_same_config(cfg: DictConfig, control) -> None:
+    hashes = [None] * dist.get_world_size()
+    dist.all_gather_object(hashes, config_hash(cfg), group=control)
+    if len(set(hashes)) != 1:
+        differing = [r for r, h in enumerate(hashes) if h != hashes[0]]
+        raise RuntimeError(f"ranks {differing} composed a config different from rank 0's "
+                           f"(hashes {hashes}): launch every rank with the same overrides and conf/")
+
+
+def _resume_point(cfg: DictConfig, rank: int, lead: int, run_dir: Path, control) -> tuple[int, Path | None]:
+    """The lead drafter picks the checkpoint to resume from; every rank starts its stream at its step."""
+    box: list = [0, None, None]
+    if rank == lead and cfg.run.resume != "never":
+        try:
+            if cfg.run.resume == "auto":
+                found = checkpoint.load_latest(run_dir / "checkpoints")
+                if found:
+                    box[:2] = found[1], str(found[0])
+            else:
+                box[:2] = checkpoint.load(Path(cfg.run.resume))[0], str(cfg.run.resume)
+        except (OSError, ValueError, RuntimeError) as exc:
+            box[2] = f"run.resume={cfg.run.resume!r}: cannot load the checkpoint: {exc}"
+    dist.broadcast_object_list(box, src=lead, group=control)
+    if box[2]:
+        raise ValueError(box[2])
+    return box[0], (Path(box[1]) if box[1] else None)
+
+
+def start_process(cfg: DictConfig, topo: Topology, env: ProcessEnv) -> Context:
+    role, tag = topo.role(env.rank), f"{topo.role(env.rank)}{env.rank}"
+    if env.world == env.local_world:
+        # One host: gloo (the control plane, and the channel on CPU) must not pick an interface
+        # by hostname lookup, which in some VMs resolves to an address the host cannot reach.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    device = resolve_device(cfg.run.device, "run.device", env.local_rank)
+    backend = _backend_for(device, env.local_world)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.run.timeout_s),
+                            device_id=device if backend == "nccl" else None)
+    groups = build_groups(topo, env.rank, cfg.run.timeout_s, cfg.run.startup_timeout_s)
+    run_dir = _agree_on_run_dir(cfg, env, groups.control)
+    lead = env.rank == topo.lead_drafter
+    setup_logging(tag, logging.INFO if lead else logging.WARNING, run_dir / "logs" / f"{tag}.log")
+    _check_same_config(cfg, groups.control)
+    if env.rank == 0:
+        (run_dir / "config.yaml").write_text(config_yaml(cfg))
+    iso = isolate(role, env.rank, env.local_world, Path(cfg.isolation.cache_root or run_dir / "compile_cache"),
+                  device, cfg.isolation.recompile_limit, cfg.isolation.compile_threads)
+    log.info("pid %d role %s rank %d/%d device %s backend %s threads %d compile cache %s", iso.pid, role, env.rank,
+             env.world, device, backend, iso.threads, iso.cache_dir)
+    # One builder per node (nodes need not share a filesystem); the build is atomic and idempotent.
+    if env.local_rank == 0:
+        ensure_embedded_target(cfg, cfg.run.seed)
+    dist.barrier(group=groups.startup)
+    job = resolve(cfg, topo, device)
+    start_step, resume_from = _resume_point(cfg, env.rank, topo.lead_drafter, run_dir, groups.control)
+    if resume_from:
+        log.warning("resuming at step %d from %s", start_step, resume_from)
+    return Context(job, env.rank, groups, device if backend == "nccl" else torch.device("cpu"), run_dir,
+                   start_step, resume_from, iso)

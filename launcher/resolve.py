@@ -1,0 +1,196 @@
+"""The config resolved once per process into the typed settings the roles receive.
+
+Both roles must agree on what they derive from the target checkpoint (the captured layer ids,
+the feature width, the mask token), so it is derived here, once, from the same files on every
+rank; no role re-derives another's settings. `compile_plan` is the one place that decides
+whether the drafter compiles and for which static shape it warms up.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from dflash_core.attention import resolve_backend
+from dflash_core.model import DrafterConfig
+from dflash_core.objective import default_gamma
+from dflash_core.tiny import BUNDLED_DATASET, first_unused_token_id
+from launcher.config import ConfigError
+from launcher.distributed.schedule import Schedule
+from launcher.distributed.topology import Topology
+
+log = logging.getLogger("dflash")
+
+# Drafter shape keys that default to the target's (null in the schema).
+_SHAPE_OVERRIDES = ("hidden_size", "intermediate_size", "layer_types", "sliding_window")
+_BUNDLED = {"bundled:tiny_chat": BUNDLED_DATASET}
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+           "fp16": torch.float16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TargetPlan:
+    path: Path
+    hf_config: object            # the full target's Hugging Face config
+    layer_ids: list[int]         # captured layers (HF numbering)
+    dtype: torch.dtype           # compute dtype on this process's device
+    parallel: str                # replicate | tensor
+    tp_size: int
+    random_weights: bool
+
+    @property
+    def feature_width(self) -> int:
+        return self.hf_config.hidden_size * len(self.layer_ids)
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """The keyword arguments of dflash_core.objective.drafter_step (and evaluate_tau's subset)."""
+    num_anchors: int
+    loss_type: str
+    gamma: float
+    alpha: float
+    backend: str                 # flex | sdpa (resolved for the device)
+    chunk_blocks: int
+    feature_noise_std: float
+    compiled: bool
+
+
+@dataclass(frozen=True)
+class CompilePlan:
+    compiled: bool                                # layers and head loss through torch.compile
+    warm_up_shape: tuple[int, int] | None         # (rows, length) compiled before the stream starts
+
+
+@dataclass(frozen=True)
+class Job:
+    cfg: DictConfig
+    topology: Topology
+    device: torch.device
+    target: TargetPlan
+    drafter: DrafterConfig
+    step: StepSettings
+    compile: CompilePlan
+    schedule: Schedule
+    tokenizer_dir: Path
+
+
+# ----------------------------------------------------------------------------------- paths
+def ensure_embedded_target(cfg: DictConfig, seed: int) -> None:
+    """Build the embedded tiny target at target.path when the config asks for it and it is missing."""
+    if cfg.target.build_tiny and not Path(cfg.target.path).is_dir():
+        from dflash_core.tiny import build_tiny_target
+        log.warning("building the embedded tiny target at %s", cfg.target.path)
+        build_tiny_target(cfg.target.path, seed=seed)
+
+
+def target_dir(cfg: DictConfig) -> Path:
+    path = Path(cfg.target.path)
+    if not path.is_dir():
+        raise ConfigError(f"target.path={str(path)!r}: no such directory (a local Hugging Face model directory; "
+                          f"target=tiny builds the embedded one there)")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"target.path={str(path)!r}: no config.json (not a Hugging Face model directory)")
+    return path
+
+
+def dataset_path(entry, key: str) -> Path:
+    """A dataset file, or the name of a bundled set (`bundled:tiny_chat`); `key` names the setting."""
+    path = Path(_BUNDLED.get(str(entry), entry))
+    if not path.exists():
+        raise ConfigError(f"{key}: {str(path)!r} does not exist")
+    return path
+
+
+def dataset_paths(entries, key: str) -> list[Path]:
+    entries = [entries] if isinstance(entries, str) else list(entries)
+    if not entries:
+        raise ConfigError(f"{key}=[]: name at least one dataset file")
+    return [dataset_path(entry, key) for entry in entries]
+
+
+def compute_dtype(setting: str, device: torch.device) -> torch.dtype:
+    if setting == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[setting]
+
+
+def resolve_device(setting: str, key: str, local_rank: int = 0) -> torch.device:
+    """`auto` | `cpu` | `cuda` -> a torch.device (this local rank's GPU, shared round-robin when
+    there are fewer GPUs than ranks); `cuda` without a visible GPU is an error naming `key`."""
+    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{key}={setting!r}: no CUDA device is visible")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+# ----------------------------------------------------------------------------------- the job
+def drafter_config(cfg: DictConfig, hf_config) -> DrafterConfig:
+    mask_token_id = cfg.drafter.mask_token_id
+    if mask_token_id == "auto":
+        from transformers import AutoTokenizer
+        mask_token_id = first_unused_token_id(AutoTokenizer.from_pretrained(tokenizer_dir(cfg)), hf_config)
+    for key in ("max_length", "fixed_length"):
+        length = cfg.data[key]
+        if length is not None and length > hf_config.max_position_embeddings:
+            raise ConfigError(f"data.{key}={length} exceeds the target's max_position_embeddings "
+                              f"({hf_config.max_position_embeddings})")
+    ids = list(cfg.drafter.target_layer_ids) if cfg.drafter.target_layer_ids is not None else None
+    overrides = {key: (list(value) if key == "layer_types" else value)
+                 for key in _SHAPE_OVERRIDES if (value := cfg.drafter.get(key)) is not None}
+    return DrafterConfig.from_target(hf_config, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
+                                     mask_token_id=int(mask_token_id), target_layer_ids=ids, **overrides)
+
+
+def tokenizer_dir(cfg: DictConfig) -> Path:
+    return Path(cfg.data.tokenizer) if cfg.data.tokenizer else target_dir(cfg)
+
+
+def compile_plan(cfg: DictConfig, backend: str) -> CompilePlan:
+    """Compile the drafter (auto: the flex backend at one static length, data.fixed_length; varying
+    lengths would compile once per length) and warm it up for that shape before the stream (auto:
+    whenever the length is static), so no target waits on a first-step compilation."""
+    static = cfg.data.fixed_length is not None
+    compiled = backend == "flex" and static if cfg.drafter.compile == "auto" else bool(cfg.drafter.compile)
+    warm_up = static if cfg.run.warm_up == "auto" else bool(cfg.run.warm_up) and static
+    return CompilePlan(compiled, (cfg.train.micro_batch_size, cfg.data.fixed_length) if warm_up else None)
+
+
+def schedule(cfg: DictConfig, topology: Topology) -> Schedule:
+    evaluates = cfg.data.eval_fraction > 0 and cfg.train.eval_batches > 0
+    return Schedule(steps=cfg.train.steps, num_units=topology.num_units, num_drafters=topology.num_drafters,
+                    grad_accum=cfg.train.grad_accum, eval_every=cfg.train.eval_every,
+                    eval_batches=cfg.train.eval_batches if evaluates else 0)
+
+
+def check_combinations(cfg: DictConfig) -> None:
+    """Settings that are valid alone but not together; checked before any process group forms."""
+    if cfg.target.parallel == "replicate" and cfg.target.tp_size != 1:
+        raise ConfigError(f"target.tp_size={cfg.target.tp_size}: must be 1 with target.parallel=replicate "
+                          f"(set target.parallel=tensor to shard the target)")
+    if cfg.run.warm_up is True and cfg.data.fixed_length is None:
+        raise ConfigError("run.warm_up=True: needs data.fixed_length (the one shape to compile for)")
+
+
+def resolve(cfg: DictConfig, topology: Topology, device: torch.device) -> Job:
+    """Everything the roles derive from the config and the target checkpoint, once."""
+    from transformers import AutoConfig
+    path = target_dir(cfg)
+    hf_config = AutoConfig.from_pretrained(path)
+    dcfg = drafter_config(cfg, hf_config)
+    backend = resolve_backend(cfg.drafter.backend, device)
+    plan = compile_plan(cfg, backend)
+    d = cfg.drafter
+    step = StepSettings(num_anchors=d.num_anchors, loss_type=d.loss,
+                        gamma=d.gamma if d.gamma is not None else default_gamma(d.block_size), alpha=d.dpace_alpha,
+                        backend=backend, chunk_blocks=d.chunk_blocks, feature_noise_std=d.feature_noise_std,
+                        compiled=plan.compiled)
+    target = TargetPlan(path=path, hf_config=hf_config, layer_ids=dcfg.target_layer_ids,
+                        dtype=compute_dtype(cfg.target.dtype, device), parallel=cfg.target.parallel,
+                        tp_size=cfg.target.tp_size, random_weights=cfg.target.random_weights)
+    return Job(cfg=cfg, topology=topology, device=device, target=target, drafter=dcfg, step=step,
+               compile=plan, schedule=schedule(cfg, topology), tokenizer_dir=tokenizer_dir(cfg))

@@ -1,0 +1,93 @@
+"""Drafter role: receive -> train step (anchors, mask, forward/backward, DP all-reduce, optimiser)
+-> metrics, held-out evaluation, checkpoints -> export."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch.distributed as dist
+
+from dflash_core.compile import compile_count, report
+from dflash_core.export import export_drafter
+from launcher.context import Context
+from launcher.distributed.channel import Receiver
+from launcher.roles.fault import maybe_fail
+from launcher.roles.trainer import DrafterTrainer
+from launcher.run_io import checkpoint
+from launcher.run_io.metrics import MetricsSink, RunStats
+from launcher.run_io.plots import plot_run
+from launcher.run_io.rundir import SeqLog
+
+log = logging.getLogger("dflash")
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps with a non-finite loss or gradient norm."""
+
+
+def _warm_up(ctx: Context, trainer: DrafterTrainer) -> float | None:
+    shape = ctx.job.compile.warm_up_shape
+    if shape is None:
+        return None
+    seconds = trainer.warm_up(*shape, ctx.job.schedule.eval_batches > 0)
+    log.info("warm-up compiled the step for [%d, %d] in %.1fs (graphs: %d)", *shape, seconds, compile_count())
+    return seconds
+
+
+def run_drafter(ctx: Context, sink: MetricsSink | None) -> dict:
+    """The drafter loop; `sink` is the lead drafter's metrics sink (None on the others)."""
+    job, cfg, topo, sched = ctx.job, ctx.cfg, ctx.topo, ctx.job.schedule
+    lead = ctx.rank == topo.lead_drafter
+    trainer = DrafterTrainer(job, ctx.groups.drafters)
+    if ctx.resume_from is not None:
+        trainer.load_state(checkpoint.load(ctx.resume_from)[1])
+    compile_s = _warm_up(ctx, trainer)   # the warm-up, or else the first step: when this process compiles
+    dist.barrier(group=ctx.groups.startup)
+    receiver = Receiver(sched.items_for_drafter(topo.drafter_index(ctx.rank), ctx.start_step), topo.unit_leader,
+                        ctx.comm_device, ctx.device)
+    seq_log, stats = SeqLog(ctx.run_dir, ctx.rank), RunStats()
+    bad_steps = 0
+    for step in range(ctx.start_step, cfg.train.steps):
+        maybe_fail(cfg.fault, ctx.rank, step)
+        t0 = time.perf_counter()
+        payloads = [next(receiver) for _ in range(cfg.train.grad_accum)]
+        t1 = time.perf_counter()
+        result = trainer.train_step([p.batch for p in payloads])
+        t2 = time.perf_counter()
+        if step == ctx.start_step:
+            compile_s = t2 - t1 if compile_s is None else compile_s
+            log.info("first step took %.1fs; graphs compiled so far: %d", t2 - t1, compile_count())
+        for p in payloads:
+            seq_log.write("trained", p.item)
+        bad_steps = bad_steps + 1 if result.skipped else 0
+        if result.skipped:
+            log.warning("step %d: non-finite loss or gradient norm (%s); update skipped (%d in a row)", step + 1,
+                        result.grad_norm, bad_steps)
+            if bad_steps >= cfg.run.max_bad_steps:
+                raise NonFiniteError(f"{bad_steps} consecutive non-finite steps, the last at step {step + 1} on rank "
+                                     f"{ctx.rank} (run.max_bad_steps={cfg.run.max_bad_steps}): lower optim.lr or "
+                                     f"check the data; no checkpoint was written from them")
+        summary = stats.add_step(result, waited=t1 - t0, busy=t2 - t1)
+        if sink is not None:
+            sink.step(step + 1, {"lr": trainer.scheduler.get_last_lr()[0], "grad_norm": result.grad_norm,
+                                 "skipped_steps": stats.skipped, **summary}, stats)
+        if sched.evaluates_after(step):
+            evals = [next(receiver) for _ in range(sched.eval_batches)]
+            held_out = trainer.evaluate([p.batch for p in evals])
+            for p in evals:
+                seq_log.write("evaluated", p.item)
+            if sink is not None:
+                sink.eval(step + 1, held_out)
+        done = step + 1
+        if lead and (done == cfg.train.steps or (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0)):
+            log.info("checkpoint %s", checkpoint.save(ctx.run_dir / "checkpoints", done, trainer.state(done),
+                                                      cfg.run.keep_checkpoints))
+    receiver.close([topo.unit_leader(u) for u in range(topo.num_units)])
+    seq_log.close()
+    if lead:
+        log.info("curves: %s", plot_run(ctx.run_dir))
+        if cfg.run.export:
+            export_drafter(trainer.drafter, ctx.run_dir / "export")
+            log.info("exported the drafter to %s", ctx.run_dir / "export")
+    return {**stats.result(), "items": len(receiver.received), "compiles": compile_count(), "compile_s": compile_s,
+            "compile_report": report()}

@@ -1,0 +1,123 @@
+"""Target role: data -> frozen target forward -> captured layers -> send to the scheduled drafter."""
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import torch
+import torch.distributed as dist
+from transformers import AutoTokenizer
+
+from dflash_core.data import MicroBatchSource, load_samples
+from dflash_core.target import CapturingTarget, load_target, random_target
+from launcher.config import ConfigError
+from launcher.context import Context
+from launcher.distributed.channel import HIDDEN_DTYPE, Sender
+from launcher.distributed.schedule import TRAIN
+from launcher.resolve import Job, dataset_paths
+from launcher.roles.fault import maybe_fail
+from launcher.run_io.rundir import SeqLog
+
+log = logging.getLogger("dflash")
+
+
+def build_sources(job: Job) -> tuple[MicroBatchSource, MicroBatchSource | None, dict]:
+    """The train and held-out micro-batch sources every target unit serves (identical on every rank)."""
+    cfg = job.cfg
+    tokenizer = AutoTokenizer.from_pretrained(job.tokenizer_dir)
+    samples, stats = load_samples(
+        dataset_paths(cfg.data.paths, "data.paths"), tokenizer, max_length=cfg.data.max_length,
+        last_turn_only=cfg.data.last_turn_only, on_bad_line=cfg.data.on_bad_line, cache_dir=cfg.data.cache_dir)
+    order = list(range(len(samples)))
+    random.Random(cfg.run.seed).shuffle(order)
+    num_eval = 0
+    if job.schedule.eval_batches > 0:
+        num_eval = max(1, round(len(samples) * cfg.data.eval_fraction))
+    if num_eval >= len(samples):
+        raise ConfigError(f"data.eval_fraction={cfg.data.eval_fraction} leaves no training sample "
+                          f"out of {len(samples)}")
+    held_out = [samples[i] for i in order[:num_eval]]
+    train = [samples[i] for i in order[num_eval:]]
+    stats.update(train_samples=len(train), eval_samples=len(held_out))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def source(subset):
+        return MicroBatchSource(subset, micro_batch_size=cfg.train.micro_batch_size, seed=cfg.run.seed,
+                                pad_token_id=pad_id, length_multiple=cfg.data.length_multiple,
+                                fixed_length=cfg.data.fixed_length)
+    return source(train), (source(held_out) if held_out else None), stats
+
+
+def load_capturing_target(ctx: Context) -> CapturingTarget:
+    plan, started = ctx.job.target, time.perf_counter()
+    # Tensor mode loads on CPU first: shard_target moves only this rank's slices to the device.
+    load_device = "cpu" if plan.parallel == "tensor" else ctx.device
+    if plan.random_weights:
+        target = random_target(plan.hf_config, layer_ids=plan.layer_ids, device=load_device, dtype=plan.dtype,
+                               seed=ctx.cfg.run.seed)
+    else:
+        target = load_target(plan.path, layer_ids=plan.layer_ids, device=load_device, dtype=plan.dtype)
+    if plan.parallel == "tensor":
+        from launcher.distributed.tensor_parallel import shard_target
+        shard_target(target, ctx.groups.unit, ctx.device)
+    log.info("target loaded in %.1fs: layers %s captured, width %d", time.perf_counter() - started, plan.layer_ids,
+             plan.feature_width)
+    return target
+
+
+def _sync(device: torch.device) -> None:
+    # Only the compute stream: a full device sync would also wait for sends in flight.
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def run_target(ctx: Context) -> dict:
+    job, topo = ctx.job, ctx.topo
+    unit = topo.unit_of(ctx.rank)
+    is_leader = ctx.rank == topo.unit_leader(unit)
+    # Rank 0 tokenises first so the other target ranks read its cache instead of racing to write it.
+    if ctx.rank != 0:
+        dist.barrier(group=ctx.groups.targets)
+    train_source, eval_source, data_stats = build_sources(job)
+    if ctx.rank == 0:
+        dist.barrier(group=ctx.groups.targets)
+    log.info("data: %s", data_stats)
+    target = load_capturing_target(ctx)
+
+    # Drafters may still be compiling: wait for them here, under the long start-up timeout,
+    # rather than in a send bounded by run.timeout_s.
+    dist.barrier(group=ctx.groups.startup)
+    sender = Sender(ctx.comm_device, ctx.cfg.channel.max_in_flight)
+    width = job.target.feature_width
+    forward_s = data_s = 0.0
+    tokens = slots = items = 0
+    seq_log = SeqLog(ctx.run_dir, ctx.rank)
+    started = time.perf_counter()
+    for item in job.schedule.items_for_unit(unit, ctx.start_step):
+        maybe_fail(ctx.cfg.fault, ctx.rank, item.step)
+        t0 = time.perf_counter()
+        batch = (train_source if item.kind == TRAIN else eval_source).batch(item.index)
+        num_tokens = int((batch.input_ids != train_source.pad_token_id).sum())
+        dst = topo.drafter_rank(item.drafter)
+        if is_leader:
+            sender.announce(dst, item, batch.input_ids, width, HIDDEN_DTYPE, num_tokens)
+        t1 = time.perf_counter()
+        hidden = target.capture(batch.input_ids.to(ctx.device)).to(HIDDEN_DTYPE)
+        _sync(ctx.device)
+        t2 = time.perf_counter()
+        if is_leader:
+            sender.send(dst, item, batch.input_ids, batch.loss_mask, hidden)
+            seq_log.write("sent", item)
+        data_s += t1 - t0
+        forward_s += t2 - t1
+        tokens += num_tokens
+        slots += batch.input_ids.numel()
+        items += 1
+    if is_leader:
+        sender.close([topo.drafter_rank(d) for d in range(topo.num_drafters)])
+    seq_log.close()
+    wall = time.perf_counter() - started
+    return {"items": items, "tokens": tokens, "token_slots": slots, "wall_s": wall, "forward_s": forward_s,
+            "data_s": data_s, "send_wait_s": sender.wait_s, "bytes_sent": sender.bytes_sent, "data": data_stats,
+            "tokens_per_s": tokens / wall if wall > 0 else 0.0}

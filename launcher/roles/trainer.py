@@ -1,0 +1,137 @@
+"""The drafter's training state and its one optimiser step, on one rank of the drafter group.
+
+Public surface (the drafter loop and the benchmark use nothing else): `DrafterTrainer(job, group)`,
+`train_step(batches)`, `evaluate(batches)`, `warm_up()`, `state()` / `load_state()`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from dflash_core.frozen_head import FrozenTargetHead
+from dflash_core.model import DFlashDrafter
+from dflash_core.objective import StepCounts, drafter_step, evaluate_tau
+from launcher.distributed.channel import HIDDEN_DTYPE, FeatureBatch
+from launcher.resolve import Job, compute_dtype
+from launcher.roles.lr_schedule import lr_multiplier
+from launcher.run_io import checkpoint
+
+
+def anchor_generator(device: torch.device, seed: int, index: int) -> torch.Generator:
+    # Anchors depend only on (seed, micro-batch index): resume replays them exactly, no RNG state needed.
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + index)
+
+
+@dataclasses.dataclass
+class StepResult:
+    counts: StepCounts     # reduced over every drafter rank and accumulation step
+    grad_norm: float       # before clipping
+    skipped: bool          # non-finite loss or gradient norm: no update was made
+
+
+class DrafterTrainer:
+    def __init__(self, job: Job, group: dist.ProcessGroup):
+        self.job, self.group = job, group
+        self.device, self.dcfg, cfg = job.device, job.drafter, job.cfg
+        self.amp_dtype = compute_dtype("auto", self.device)
+        torch.manual_seed(cfg.run.seed)
+        self.drafter = DFlashDrafter(self.dcfg).to(self.device)
+        if job.target.random_weights:
+            self.head = FrozenTargetHead.random(self.dcfg.vocab_size, self.dcfg.hidden_size, seed=cfg.run.seed,
+                                                device=self.device, dtype=self.amp_dtype)
+        else:
+            self.head = FrozenTargetHead.from_target_dir(job.target.path, device=self.device, dtype=self.amp_dtype)
+        self.model = DistributedDataParallel(
+            self.drafter, process_group=group, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                           weight_decay=o.weight_decay, fused=self.device.type == "cuda")
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_multiplier(o, cfg.train.steps))
+        self.step_kwargs = dataclasses.asdict(job.step)
+
+    def autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=self.amp_dtype)
+        return contextlib.nullcontext()
+
+    def state(self, step: int) -> dict:
+        return {"step": step, "model": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "rng": checkpoint.rng_state(),
+                "drafter_config": dataclasses.asdict(self.dcfg)}
+
+    def load_state(self, state: dict) -> None:
+        self.drafter.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        checkpoint.set_rng_state(state["rng"])
+
+    def train_step(self, batches: list[FeatureBatch]) -> StepResult:
+        """One optimiser step over this rank's micro-batches. A non-finite global loss or gradient
+        norm (every rank sees the same reduced values) skips the update on every rank alike."""
+        counts = StepCounts.zeros(self.dcfg.block_size, self.device)
+        for a, batch in enumerate(batches):
+            last = a == len(batches) - 1
+            with (contextlib.nullcontext() if last else self.model.no_sync()), self.autocast():
+                out = drafter_step(self.model, self.head, batch.input_ids, batch.loss_mask, batch.hidden,
+                                   generator=anchor_generator(self.device, self.job.cfg.run.seed, batch.index),
+                                   **self.step_kwargs)
+                out.loss_sum.backward()
+            counts = counts + out.counts
+            counts.tokens = counts.tokens + batch.num_tokens
+        counts = counts.all_reduce(self.group)
+        # DDP averaged the gradients of the unnormalised loss sums over the D ranks: rescale so the
+        # step optimises (global weighted CE sum) / (global weight sum).
+        scale = dist.get_world_size(self.group) / max(counts.weight_sum.item(), 1e-9)
+        for param in self.drafter.parameters():
+            if param.grad is not None:
+                param.grad.mul_(scale)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.job.cfg.optim.grad_clip))
+        skipped = not (math.isfinite(grad_norm) and math.isfinite(counts.loss_sum.item()))
+        if not skipped:
+            self.optimizer.step()
+        self.scheduler.step()   # the learning rate stays a function of the step, skipped or not
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(counts, grad_norm, skipped)
+
+    def warm_up(self, rows: int, seq_len: int, evaluates: bool) -> float:
+        """Compile the step for the run's one static shape before the stream starts, so no target
+        waits on a first-step compilation under the short run.timeout_s. Leaves weights,
+        gradients and RNG states untouched."""
+        start = time.perf_counter()
+        generator = torch.Generator(device=self.device).manual_seed(0)
+        ids = torch.randint(0, self.dcfg.mask_token_id, (rows, seq_len), generator=generator, device=self.device)
+        mask = torch.ones(rows, seq_len, dtype=torch.long, device=self.device)
+        hidden = torch.randn(rows, seq_len, self.dcfg.num_features * self.dcfg.hidden_size, generator=generator,
+                             device=self.device).to(HIDDEN_DTYPE)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            with self.model.no_sync(), self.autocast():
+                drafter_step(self.model, self.head, ids, mask, hidden, generator=generator,
+                             **self.step_kwargs).loss_sum.backward()
+            self.optimizer.zero_grad(set_to_none=True)
+            if evaluates:
+                self._evaluate_local(FeatureBatch(0, ids, mask, hidden, ids.numel()))
+        return time.perf_counter() - start
+
+    @torch.no_grad()
+    def _evaluate_local(self, batch: FeatureBatch) -> StepCounts:
+        self.drafter.eval()
+        with self.autocast():
+            counts = evaluate_tau(self.drafter, self.head, batch.input_ids, batch.loss_mask, batch.hidden,
+                                  backend=self.job.step.backend, num_anchors=self.job.step.num_anchors,
+                                  chunk_blocks=self.job.step.chunk_blocks, compiled=self.job.step.compiled)
+        self.drafter.train()
+        return counts
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[FeatureBatch]) -> dict:
+        """Held-out simulated acceptance over every drafter rank's batches: StepCounts.summary()."""
+        counts = StepCounts.zeros(self.dcfg.block_size, self.device)
+        for batch in batches:
+            counts = counts + self._evaluate_local(batch)
+        return counts.all_reduce(self.group).summary()

@@ -1,0 +1,19 @@
+"""Drafter configs the tests share: a small one to vary, and the production Qwen3-8B shape."""
+from dflash_core.model import DrafterConfig
+
+SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+             intermediate_size=48, vocab_size=50, block_size=4, target_layer_ids=[0, 1], num_target_layers=2,
+             mask_token_id=49)
+
+
+def drafter_config(**overrides) -> DrafterConfig:
+    """A small drafter config (hidden 32, 2 layers, block 4, vocabulary 50) with `overrides`."""
+    return DrafterConfig(**{**SMALL, **overrides})
+
+
+def qwen3_8b_drafter_config() -> DrafterConfig:
+    """dflash5 on Qwen3-8B: 5 layers, block 16, layers [1, 9, 17, 25, 33], Qwen3's mask token."""
+    return drafter_config(hidden_size=4096, num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8,
+                          head_dim=128, intermediate_size=12288, vocab_size=151936, block_size=16,
+                          target_layer_ids=[1, 9, 17, 25, 33], num_target_layers=36, mask_token_id=151669,
+                          rope_theta=1e6)
