@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 from launcher.config import ConfigError, compose_config, require, resolve_device
 
+
 def validate(cfg: DictConfig) -> None:
     ev = cfg.evaluate
     require(cfg, ev.drafter is not None, "evaluate.drafter",
@@ -46,57 +47,31 @@ def load_drafter(path, *, device=None, dtype=None):
 
 
 def _data_paths(data) -> list[Path]:
+    from dflash_core.data import dataset_sources
     from launcher.data_setup import resolve_dataset
     entries = [data] if isinstance(data, str) else list(data)
-    paths = [resolve_dataset(p) for p in entries]
-    for path in paths:
-        if not path.is_file():
-            raise ConfigError(f"evaluate.data: {str(path)!r} does not exist")
-    return paths
+    return dataset_sources([resolve_dataset(p) for p in entries])
 
 
 def load_prompts(paths, tokenizer, num_prompts: int, *, max_prompt_tokens: int) -> tuple[list[list[int]], dict]:
-    """Token ids of the first num_prompts conversations cut before their last assistant turn,
-    rendered with the chat template and its generation prompt. Plain-text records (no turns)
-    and prompts over max_prompt_tokens are skipped and counted."""
-    from dflash_core.data import read_records
+    """Token ids of the first num_prompts prompts that fit max_prompt_tokens: each conversation
+    without its last assistant turn (prompt-only records as they are), rendered like training
+    data (dflash_core.prompts)."""
+    from dflash_core.prompts import encode_prompts, iter_prompts
 
-    if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(f"tokenizer {tokenizer.name_or_path!r} has no chat template; prompts cannot be rendered")
-    prompts, skipped = [], {"no_assistant_turn": 0, "too_long": 0}
-    for path in paths:
-        for _, record in read_records(path):
-            turns = [k for k, m in enumerate(record.messages or ()) if m["role"] == "assistant"]
-            if not turns or turns[-1] == 0:  # nothing to answer, or nothing before the answer
-                skipped["no_assistant_turn"] += 1
-                continue
-            text = tokenizer.apply_chat_template(list(record.messages[:turns[-1]]), tokenize=False,
-                                                 add_generation_prompt=True)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(ids) > max_prompt_tokens:
-                skipped["too_long"] += 1
-                continue
-            prompts.append(ids)
-            if len(prompts) == num_prompts:
-                return prompts, skipped
+    skipped = {}
+    prompts = encode_prompts(tokenizer, iter_prompts(paths, stats=skipped), max_tokens=max_prompt_tokens,
+                             limit=num_prompts, stats=skipped)
     if not prompts:
         raise ConfigError(f"evaluate.data: no usable prompt in {[str(p) for p in paths]} ({skipped})")
-    return prompts, skipped
-
-
-def _eos_ids(tokenizer, target) -> list[int]:
-    """The tokenizer's eos plus any the generation config lists (Qwen3 ends turns on either)."""
-    found = [tokenizer.eos_token_id, getattr(target.generation_config, "eos_token_id", None)]
-    ids = set()
-    for item in found:
-        ids.update([item] if isinstance(item, int) else (item or []))
-    return sorted(ids)
+    return [p.token_ids for p in prompts], skipped
 
 
 def evaluate(cfg: DictConfig) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from dflash_core.prompts import stop_token_ids
     from dflash_core.speculative import greedy_decode, speculative_generate
     from launcher.setup_models import compute_dtype, ensure_embedded_target, target_dir
 
@@ -112,7 +87,7 @@ def evaluate(cfg: DictConfig) -> dict:
     block_size = drafter.config.block_size
     max_prompt = target.config.max_position_embeddings - ev.max_new_tokens - block_size
     prompts, skipped = load_prompts(_data_paths(ev.data), tokenizer, ev.num_prompts, max_prompt_tokens=max_prompt)
-    eos = _eos_ids(tokenizer, target)
+    eos = stop_token_ids(tokenizer, target.generation_config)
 
     per_prompt, spec_s, greedy_s = [], 0.0, 0.0
     for ids in prompts:
@@ -172,7 +147,7 @@ def format_table(summary: dict) -> str:
 
 
 def run(overrides: list[str]) -> int:
-    if int(os.environ.get("RANK", 0)) != 0:
+    if int(os.environ.get("RANK", "0")) != 0:
         return 0  # under torchrun: rank 0 alone evaluates
     cfg = compose_config(overrides, config_name="evaluate")
     validate(cfg)
