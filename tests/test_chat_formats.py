@@ -1,6 +1,7 @@
 """Thinking and tool-calling conversations under chat templates that behave like the public Qwen3
-template (reasoning, tool calls, history rewriting) and a Llama-3.1-style one: the loss mask is
-checked token by token against the rendered string; prompts render like training data."""
+template (reasoning, tool calls, history rewriting), a Llama-3.1-style one and a gpt-oss
+(harmony) style one: the loss mask is checked token by token against the rendered string;
+prompts render like training data."""
 import json
 import re
 from pathlib import Path
@@ -10,7 +11,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from dflash_core.data import DataError, load_samples, normalise_record
+from dflash_core.data import ChatRenderer, DataError, load_samples, normalise_record
+from dflash_core.data import render as render_module
 from dflash_core.prompts import encode_prompts, iter_prompts, stop_token_ids
 from tests.test_data import supervised_runs, write_jsonl
 
@@ -54,6 +56,9 @@ STYLES = {  # template, special tokens, other added tokens, tokenizer roles, ass
                ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], [],
                {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"},
                "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"),
+    "harmony": ("harmony_style.jinja",
+                ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"], [],
+                {"eos_token": "<|return|>"}, "<|start|>assistant", "<|return|>"),
 }
 
 
@@ -71,7 +76,7 @@ def build_tokenizer(style: str):
     return tokenizer
 
 
-@pytest.fixture(scope="module", params=list(STYLES))
+@pytest.fixture(scope="module", params=["qwen3", "llama3"])
 def style(request):
     return request.param, build_tokenizer(request.param)
 
@@ -131,6 +136,44 @@ def test_tool_calling_conversation_mask_is_exactly_the_assistant_spans(tmp_path,
         assert "I need both tools." not in text
         head = tokenizer.apply_chat_template(messages[:5], tools=TOOLS, tokenize=False, add_generation_prompt=True)
         assert "I need both tools." in head and not text.startswith(head)
+
+
+def test_turns_with_special_tokens_inside_and_an_ambiguous_fast_path(tmp_path):
+    tokenizer = build_tokenizer("harmony")
+    messages = [THINKING[1], {"role": "assistant", "reasoning_content": "Use the tool.", "content": "",
+                              "tool_calls": [call("get_weather", city="Paris")]},
+                {"role": "tool", "name": "get_weather", "content": "18 C"},
+                {"role": "assistant", "reasoning_content": "Got it.", "content": "It is 18 C."},
+                {"role": "assistant", "content": "Anything else?"}]
+    sample = load_one(tmp_path, tokenizer, {"messages": messages})
+    assert [tokenizer.decode(sample["input_ids"][s:e]) for s, e in supervised_runs(sample["loss_mask"])] == [
+        ('<|channel|>analysis<|message|>Use the tool.<|end|><|start|>assistant to=functions.get_weather'
+         '<|channel|>commentary <|constrain|>json<|message|>{"city": "Paris"}<|call|>'),
+        "<|channel|>analysis<|message|>Got it.<|end|><|start|>assistant<|channel|>final<|message|>It is 18 C.<|end|>",
+        "<|channel|>final<|message|>Anything else?<|return|>"]
+    # Turn 3's own text holds the template text that follows it (<|end|><|start|>assistant...final):
+    # the one-probe path must notice and leave it to the per-turn probes.
+    renderer, record = ChatRenderer(tokenizer), normalise_record({"messages": messages})
+    full = renderer.render(record.messages)
+    probes = [render_module._with_sentinel(m, chr(0xE000 + k)) if m["role"] == "assistant" else m
+              for k, m in enumerate(record.messages)]
+    sentinels = [chr(0xE000 + k) for k in (1, 3, 4)]
+    assert render_module._regions_at_once(full, renderer.render(probes), sentinels) is None
+
+
+def test_one_probe_and_per_turn_probes_agree(style):
+    _, tokenizer = style
+    renderer = ChatRenderer(tokenizer)
+    for messages in (THINKING, SINGLE_TOOL_CALL):
+        record = normalise_record({"messages": messages, "tools": TOOLS})
+        full = renderer.render(record.messages, record.tools)
+        turns = [k for k, m in enumerate(record.messages) if m["role"] == "assistant"]
+        probes = [render_module._with_sentinel(m, chr(0xE000 + k)) if k in turns else m
+                  for k, m in enumerate(record.messages)]
+        at_once = render_module._regions_at_once(full, renderer.render(probes, record.tools),
+                                                 [chr(0xE000 + k) for k in turns])
+        assert at_once is not None
+        assert at_once == [renderer._region_alone(full, record, k, chr(0xE000 + k)) for k in turns]
 
 
 def test_enable_thinking_reaches_the_template_and_the_cache_key(tmp_path, qwen):
@@ -214,8 +257,9 @@ def test_prompts_render_with_tools_and_template_kwargs_like_training(tmp_path, q
     assert encode_prompts(qwen, prompts, max_tokens=10, stats=too_long) == [] and too_long["too_long"] == 1
 
 
-def test_stop_ids_include_the_templates_end_of_turn(style):
-    name, tokenizer = style
+@pytest.mark.parametrize("name", list(STYLES))
+def test_stop_ids_include_the_templates_end_of_turn(name):
+    tokenizer = build_tokenizer(name)
     end_of_turn = tokenizer.convert_tokens_to_ids(STYLES[name][5])
     assert set(stop_token_ids(tokenizer)) == {tokenizer.eos_token_id, end_of_turn}
     config = type("GenerationConfig", (), {"eos_token_id": [3, end_of_turn]})()

@@ -61,7 +61,7 @@ class BadRecord(ValueError):
 class Record:
     """One normalised dataset entry: either a conversation or a preformatted text."""
 
-    messages: tuple[dict, ...] | None = None  # {"role", "content"} and the optional keys above
+    messages: tuple[dict, ...] | None = None  # {"role", "content"} and the optional keys of the docstring
     text: str | None = None
     tools: tuple[dict, ...] | None = None     # function schemas for apply_chat_template(tools=...)
     id: object = None                          # the row's "id", when it has one
@@ -99,7 +99,7 @@ def dataset_sources(paths) -> list[Path]:
 
 
 # ------------------------------------------------------------------------- normalising
-def _present(obj: dict, key: str):
+def _present(obj, key: str):
     return obj.get(key) if isinstance(obj, dict) else None
 
 

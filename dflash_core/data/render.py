@@ -8,20 +8,28 @@ before the last user query, so the prefix rendering of a tool-calling turn (whic
 reasoning) is not a prefix of the full rendering (which no longer has it).
 
 How spans are found here: the full conversation is rendered once; it is the training text.
-For each assistant turn the conversation is rendered again with that turn's own fields
-(content, reasoning, tool-call arguments) replaced by a sentinel character that occurs nowhere
-in the text. The two renderings share a prefix and a suffix; what lies between them in the full
-text is what the turn's fields produced, wherever the template put them and however it
-rewrote them (strip, `tojson`, a `<think>` block split out of the content). The span then
-starts right after the nearest generation header before that region (the text
-add_generation_prompt=True appends, e.g. `<|im_start|>assistant\\n`, rendered with and without
-chat_template_kwargs: a Qwen3 header with enable_thinking=false includes an empty think block
-that earlier turns do not have) and ends with the first special token after it, the end of turn
-(`<|im_end|>`, `<|eot_id|>`; special tokens inside a turn, such as gpt-oss channel markers, lie
-before the last field). So everything the template writes for the turn after its header (think
-block, content, tool-call wrapper, end-of-turn token) is supervised and nothing of another
-message. Tool-call names are not replaced: some templates repeat them in the tool output that
-follows (gpt-oss), which would stretch the region into that message.
+It is rendered again with every assistant turn's own fields (content, reasoning, tool-call
+arguments) replaced by a sentinel, a private-use character that occurs nowhere in the text, one
+per turn. Apart from the fields, the two renderings are the same template text: the probe cut
+at its sentinels gives the text between one turn's fields and the next's, and each of those
+pieces, found in the full text (exactly once after the previous turn, else the fast path is
+not trusted), delimits what the turn's fields produced there, wherever the template put them
+and however it rewrote them (strip, `tojson`, a `<think>` block split out of the content).
+When a piece is not found exactly once, each turn is probed alone instead: the conversation is
+rendered with only that turn's fields replaced, and the two renderings' common prefix and
+suffix delimit the turn's fields (one rendering per turn, where the fast path needs two in all).
+Replacements keep what templates branch on: empty fields stay empty (an empty content of a
+tool-calling turn is not replaced), a `<think>` block inside a content keeps its tags.
+
+The span then starts right after the nearest generation header before the turn's fields (the
+text add_generation_prompt=True appends, e.g. `<|im_start|>assistant\n`, rendered with and
+without chat_template_kwargs: a Qwen3 header with enable_thinking=false includes an empty think
+block that earlier turns do not have) and ends with the first special token after them, the end
+of turn (`<|im_end|>`, `<|eot_id|>`; special tokens inside a turn, such as gpt-oss channel
+markers, lie before its last field). So everything the template writes for the turn after its
+header (think block, content, tool-call wrapper, end-of-turn token) is supervised and nothing of
+another message. Tool-call names are not replaced: some templates repeat them in the tool output
+that follows (gpt-oss), which would stretch the turn into that message.
 
 A template that cannot render the conversation, leaves a turn out, or gives no header before or
 no special token after a turn raises ValueError naming the turn; the caller reports it as a bad
@@ -35,7 +43,8 @@ import re
 
 from .records import DataError, Record
 
-SENTINELS = "\ue000\ue001\ue002\ue003"  # Unicode private-use characters: no template writes them
+SENTINELS = range(0xE000, 0xF900)  # Unicode private-use characters: no template writes them
+THINK_BLOCK = re.compile(r"(\s*<think>\s*)(.*?)(\s*</think>\s*)(.*)", re.DOTALL)
 _PROBE = ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"})
 
 
@@ -48,9 +57,19 @@ def template_messages(messages) -> list[dict]:
     return [{**m, "thinking": m["reasoning_content"]} if "reasoning_content" in m else dict(m) for m in messages]
 
 
+def _sentinel_text(text: str, sentinel: str) -> str:
+    """The sentinel in place of a content, keeping a leading <think> block's tags and emptiness."""
+    block = THINK_BLOCK.fullmatch(text)
+    if block is None:
+        return sentinel
+    return block[1] + (sentinel if block[2] else "") + block[3] + (sentinel if block[4] else "")
+
+
 def _with_sentinel(message: dict, sentinel: str) -> dict:
-    """The message with every field the template prints for it replaced by the sentinel."""
-    probe = {**message, "content": sentinel}
+    """The message with the fields the template prints for it replaced by the sentinel."""
+    probe = dict(message)
+    if message["content"] or not message.get("tool_calls"):  # a turn without tool calls needs its content as anchor
+        probe["content"] = _sentinel_text(message["content"], sentinel)
     if message.get("reasoning_content"):
         probe["reasoning_content"] = sentinel
     if message.get("tool_calls"):
@@ -60,6 +79,41 @@ def _with_sentinel(message: dict, sentinel: str) -> dict:
                                   or {sentinel: sentinel}}}
             for call in message["tool_calls"]]
     return probe
+
+
+def _regions_at_once(full: str, probe: str, sentinels: list[str]) -> list[tuple[int, int]] | None:
+    """Each turn's [first, last) field characters in `full`, from one probe holding every turn's
+    own sentinel; None when that is not certain.
+
+    The probe cut at its sentinels gives the template text before the first turn, between turns
+    and after the last. Each piece between turns is looked up in `full` twice: its first
+    occurrence after the previous piece, and its last occurrence before the next one (going
+    backwards from the end). The true position lies between the two, so when they agree for
+    every piece, it is that one; when not, a turn's own text holds the piece that follows it.
+    """
+    marks = [(probe.find(s), probe.rfind(s) + 1) for s in sentinels]
+    cuts = [0, *(at for mark in marks for at in mark), len(probe)]
+    if any(first < 0 for first, _ in marks) or cuts != sorted(cuts):  # a turn not rendered, or turns interleaved
+        return None
+    pieces = [probe[cuts[i]:cuts[i + 1]] for i in range(0, len(cuts), 2)]
+    head, between, tail = pieces[0], pieces[1:-1], pieces[-1]
+    if not (full.startswith(head) and full.endswith(tail)) or len(head) + len(tail) > len(full):
+        return None
+    forward, at = [], len(head)
+    for piece in between:
+        at = full.find(piece, at)
+        if at < 0:
+            return None
+        forward.append(at)
+        at += len(piece)
+    backward, at = [], len(full) - len(tail)
+    for piece in reversed(between):
+        at = full.rfind(piece, 0, at)
+        backward.insert(0, at)
+    if forward != backward:
+        return None
+    return list(zip([len(head)] + [at + len(piece) for at, piece in zip(forward, between)],
+                    forward + [len(full) - len(tail)]))
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -123,20 +177,32 @@ class ChatRenderer:
         (only the last one with last_turn_only). ValueError when a turn cannot be located."""
         messages = list(record.messages)
         full = self.render(messages, record.tools)
-        sentinel = next((c for c in SENTINELS if c not in full), None)
-        if sentinel is None:
-            raise ValueError(f"the conversation contains all of the sentinel characters {SENTINELS!r}")
         turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+        turns = turns[-1:] if last_turn_only else turns
+        if not turns:
+            return full, []
+        used = set(full)
+        sentinels = [c for c in map(chr, SENTINELS) if c not in used][:len(turns)]
+        probes = list(messages)
+        for k, sentinel in zip(turns, sentinels):
+            probes[k] = _with_sentinel(messages[k], sentinel)
+        regions = _regions_at_once(full, self.render(probes, record.tools), sentinels)
+        if regions is None:
+            regions = [self._region_alone(full, record, k, sentinel) for k, sentinel in zip(turns, sentinels)]
         spans, floor = [], 0
-        for k in turns[-1:] if last_turn_only else turns:
-            probe = self.render(messages[:k] + [_with_sentinel(messages[k], sentinel)] + messages[k + 1:], record.tools)
-            if probe == full:
-                raise ValueError(f"the chat template does not render assistant turn {k}")
-            first = _common_prefix(full, probe)
-            last = len(full) - _common_suffix(full, probe, min(len(full), len(probe)) - first)
+        for k, (first, last) in zip(turns, regions):
             spans.append((self._turn_start(full, floor, first, k), self._turn_end(full, last, k)))
             floor = spans[-1][1]
         return full, spans
+
+    def _region_alone(self, full: str, record: Record, k: int, sentinel: str) -> tuple[int, int]:
+        """Turn k's [first, last) field characters in `full`, from a probe of that turn alone."""
+        messages = list(record.messages)
+        probe = self.render(messages[:k] + [_with_sentinel(messages[k], sentinel)] + messages[k + 1:], record.tools)
+        if probe == full:
+            raise ValueError(f"the chat template does not render assistant turn {k}")
+        first = _common_prefix(full, probe)
+        return first, len(full) - _common_suffix(full, probe, min(len(full), len(probe)) - first)
 
     def _turn_start(self, full: str, floor: int, first: int, k: int) -> int:
         ends = [at + len(header) for header in self.headers if (at := full.rfind(header, floor, first)) >= 0]
