@@ -80,8 +80,8 @@ def tokenize_prompts(cfg: DictConfig, tokenizer, prompts: list[Prompt]) -> tuple
     """Render and tokenise (only this rank's share); drops and counts prompts over max_prompt_length
     and, under on_bad_line=skip, conversations the template cannot render."""
     r, stats = cfg.regenerate, {}
-    kept = encode_prompts(tokenizer, prompts, max_tokens=r.max_prompt_length, chat_template_kwargs=_template_kwargs(cfg),
-                          on_bad_line=r.on_bad_line, stats=stats)
+    kept = encode_prompts(tokenizer, prompts, max_tokens=r.max_prompt_length,
+                          chat_template_kwargs=_template_kwargs(cfg), on_bad_line=r.on_bad_line, stats=stats)
     return kept, {"too_long": stats["too_long"], "unrenderable": stats.get("skipped_unrenderable", 0)}
 
 

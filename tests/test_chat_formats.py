@@ -228,12 +228,15 @@ def test_tool_call_shapes_normalise_to_one_form():
         {"name": "get_weather", "arguments": '{"city": "Paris"}'}]},
         {"role": "function", "name": "get_weather", "content": "18"}]}
     sharegpt = {"conversations": [{"from": "human", "value": TOOL_CALLING[1]["content"]},
-                                  {"from": "function_call", "value": '{"name": "get_weather", "arguments": {"city": "Paris"}}'},
+                                  {"from": "function_call",
+                                   "value": '{"name": "get_weather", "arguments": {"city": "Paris"}}'},
                                   {"from": "observation", "value": "18", "name": "get_weather"}]}
     assert normalise_record(flat) == normalise_record(sharegpt) == expected
-    assert expected.messages[1] == {"role": "assistant", "content": "", "tool_calls": [call("get_weather", city="Paris")]}
+    assert expected.messages[1] == {"role": "assistant", "content": "",
+                                    "tool_calls": [call("get_weather", city="Paris")]}
     for bad, reason in [({"role": "user", "content": "x", "tool_calls": [call("f")]}, "only assistant turns"),
-                        ({"role": "assistant", "content": "", "tool_calls": [{"arguments": {}}]}, "needs a function name"),
+                        ({"role": "assistant", "content": "", "tool_calls": [{"arguments": {}}]},
+                         "needs a function name"),
                         ({"role": "assistant", "content": "", "tool_calls": [call("f") | {"function": {
                             "name": "f", "arguments": "[1]"}}]}, "must be an object")]:
         with pytest.raises(ValueError, match=reason):

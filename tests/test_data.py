@@ -117,7 +117,8 @@ def test_samples_without_two_consecutive_supervised_tokens_are_dropped(tmp_path,
 
 
 @pytest.mark.parametrize("bad_line, reason", [
-    ("{not json", "invalid JSON"), (json.dumps({"conversations": [{"from": "robot", "value": "x"}]}), "malformed record"),
+    ("{not json", "invalid JSON"),
+    (json.dumps({"conversations": [{"from": "robot", "value": "x"}]}), "malformed record"),
     (json.dumps({"id": 3}), "malformed record")])
 def test_malformed_line_fails_naming_file_and_line(tmp_path, tokenizer, bad_line, reason):
     path = write_jsonl(tmp_path / "bad.jsonl", [{"conversations": TWO_TURNS}, "", bad_line])
@@ -144,6 +145,9 @@ def test_json_list_records_are_located_by_line(tmp_path, tokenizer):
         load_samples(path, tokenizer, max_length=512)
     path.write_text('[\n{"text": "ok"},\n{"text": oops}\n]')
     with pytest.raises(DataError, match=re.escape(f"{path} line 3: invalid JSON (a .json file is read whole)")):
+        load_samples(path, tokenizer, max_length=512, on_bad_line="skip")
+    path.write_bytes(b'[\n{"text": "ok"},\n{"text": "caf\xe9"}\n]')
+    with pytest.raises(DataError, match=re.escape(f"{path} line 3: invalid UTF-8 (a .json file is read whole)")):
         load_samples(path, tokenizer, max_length=512, on_bad_line="skip")
 
 

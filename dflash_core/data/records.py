@@ -214,20 +214,25 @@ def _parse_jsonl_line(raw: bytes, line_no: int):
 
 
 def _json_list_rows(path: Path) -> Iterator[tuple[str, Callable[[], object]]]:
-    """The records of a .json list, each located by the line it starts on."""
+    """The records of a .json list, each located by the line it starts on. A file that does not
+    parse cannot be read at all: DataError whatever the on_bad_line policy."""
     data = path.read_bytes()
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
-        raise DataError(f"{path} line {_line_of(data, err.start)}: invalid UTF-8 (a .json file is read whole)") from None
-    decoder, position = json.JSONDecoder(), 0
+        where = f"{path} line {_line_of(data, err.start)}"
+        raise DataError(f"{where}: invalid UTF-8 (a .json file is read whole)") from None
+    decoder = json.JSONDecoder()
 
-    def skip_space(at: int) -> int:
-        while at < len(text) and text[at] in " \t\r\n":
-            at += 1
-        return at
+    def line_at(position: int) -> str:
+        return f"line {text.count(chr(10), 0, position) + 1}"
 
-    position = skip_space(position)
+    def skip_space(position: int) -> int:
+        while position < len(text) and text[position] in " \t\r\n":
+            position += 1
+        return position
+
+    position = skip_space(0)
     if not text.startswith("[", position):
         raise DataError(f"{path}: a .json dataset must hold a list of records")
     position = skip_space(position + 1)
@@ -235,14 +240,13 @@ def _json_list_rows(path: Path) -> Iterator[tuple[str, Callable[[], object]]]:
         try:
             row, end = decoder.raw_decode(text, position)
         except ValueError as err:
-            raise DataError(f"{path} line {text.count(chr(10), 0, position) + 1}: invalid JSON "
-                            f"(a .json file is read whole): {err}") from None
-        yield f"line {text.count(chr(10), 0, position) + 1}", lambda row=row: row
+            raise DataError(f"{path} {line_at(position)}: invalid JSON (a .json file is read whole): {err}") from None
+        yield line_at(position), lambda row=row: row
         position = skip_space(end)
         if text.startswith(",", position):
             position = skip_space(position + 1)
         elif not text.startswith("]", position):
-            raise DataError(f"{path} line {text.count(chr(10), 0, position) + 1}: expected ',' or ']' in the record list")
+            raise DataError(f"{path} {line_at(position)}: expected ',' or ']' in the list of records")
 
 
 def _arrow_rows(path: Path) -> Iterator[tuple[str, Callable[[], object]]]:

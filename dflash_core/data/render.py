@@ -11,13 +11,16 @@ How spans are found here: the full conversation is rendered once; it is the trai
 It is rendered again with every assistant turn's own fields (content, reasoning, tool-call
 arguments) replaced by a sentinel, a private-use character that occurs nowhere in the text, one
 per turn. Apart from the fields, the two renderings are the same template text: the probe cut
-at its sentinels gives the text between one turn's fields and the next's, and each of those
-pieces, found in the full text (exactly once after the previous turn, else the fast path is
-not trusted), delimits what the turn's fields produced there, wherever the template put them
-and however it rewrote them (strip, `tojson`, a `<think>` block split out of the content).
-When a piece is not found exactly once, each turn is probed alone instead: the conversation is
-rendered with only that turn's fields replaced, and the two renderings' common prefix and
-suffix delimit the turn's fields (one rendering per turn, where the fast path needs two in all).
+at its sentinels gives the template text between one turn's fields and the next turn's, and
+where those pieces lie in the full text delimits what each turn's fields produced there,
+wherever the template put them and however it rewrote them (strip, `tojson`, a `<think>` block
+split out of the content). A piece is looked up forwards (its first occurrence after the
+previous one) and backwards (its last occurrence before the next one); the true place lies
+between the two, so when they agree it is certain. When they do not (a turn's own text holds the
+template text that follows it, as in gpt-oss-style turns of several channel segments), each
+turn is probed alone: the conversation is rendered with only that turn's fields replaced, and
+the two renderings' common prefix and suffix delimit the turn's fields (one rendering per turn,
+where the fast path needs two in all).
 Replacements keep what templates branch on: empty fields stay empty (an empty content of a
 tool-calling turn is not replaced), a `<think>` block inside a content keeps its tags.
 
@@ -161,7 +164,13 @@ class ChatRenderer:
             add_generation_prompt=add_generation_prompt, **(self.kwargs if kwargs is None else kwargs))
 
     def _generation_header(self, kwargs: dict) -> str:
-        bare, prompted = (self.render(_PROBE[:1], add_generation_prompt=flag, kwargs=kwargs) for flag in (False, True))
+        try:
+            bare, prompted = (self.render(_PROBE[:1], add_generation_prompt=flag, kwargs=kwargs)
+                              for flag in (False, True))
+        except Exception as err:  # whatever the template raises here, it can render no conversation
+            raise DataError(f"the chat template of tokenizer {tokenizer_name(self.tokenizer)} cannot render a "
+                            f"one-message conversation with chat_template_kwargs={kwargs}: "
+                            f"{type(err).__name__}: {err}") from err
         if not prompted.startswith(bare) or prompted == bare:
             raise DataError(f"the chat template of tokenizer {tokenizer_name(self.tokenizer)} appends no generation "
                             f"prompt for add_generation_prompt=True; assistant turns cannot be located")
@@ -183,6 +192,8 @@ class ChatRenderer:
             return full, []
         used = set(full)
         sentinels = [c for c in map(chr, SENTINELS) if c not in used][:len(turns)]
+        if len(sentinels) < len(turns):
+            raise ValueError("the conversation uses nearly every Unicode private-use character; no sentinel is left")
         probes = list(messages)
         for k, sentinel in zip(turns, sentinels):
             probes[k] = _with_sentinel(messages[k], sentinel)
