@@ -257,7 +257,10 @@ def _arrow_rows(path: Path) -> Iterator[tuple[str, Callable[[], object]]]:
         except ImportError as err:
             raise DataError(f"{path}: reading a datasets directory needs the `datasets` library "
                             f"(pip install datasets)") from err
-        loaded = datasets.load_from_disk(str(path))
+        try:
+            loaded = datasets.load_from_disk(str(path))
+        except (OSError, ValueError) as err:  # e.g. a folder of files that happens to hold a state.json
+            raise DataError(f"{path}: not a readable datasets save_to_disk directory: {err}") from err
         if isinstance(loaded, datasets.DatasetDict):
             splits = list(loaded)
             split = "train" if "train" in splits else (splits[0] if len(splits) == 1 else None)
