@@ -45,47 +45,24 @@ def load_drafter(path, *, device=None, dtype=None):
 
 
 def load_prompts(paths, tokenizer, num_prompts: int, *, max_prompt_tokens: int) -> tuple[list[list[int]], dict]:
-    """Token ids of the first num_prompts conversations cut before their last assistant turn,
-    rendered with the chat template and its generation prompt. Plain-text records (no turns)
-    and prompts over max_prompt_tokens are skipped and counted."""
-    from dflash_core.data import read_records
+    """Token ids of the first num_prompts prompts that fit max_prompt_tokens: each conversation
+    without its last assistant turn (prompt-only records as they are), rendered like training
+    data (dflash_core.prompts)."""
+    from dflash_core.prompts import encode_prompts, iter_prompts
 
-    if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(f"tokenizer {tokenizer.name_or_path!r} has no chat template; prompts cannot be rendered")
-    prompts, skipped = [], {"no_assistant_turn": 0, "too_long": 0}
-    for path in paths:
-        for _, record in read_records(path):
-            turns = [k for k, m in enumerate(record.messages or ()) if m["role"] == "assistant"]
-            if not turns or turns[-1] == 0:  # nothing to answer, or nothing before the answer
-                skipped["no_assistant_turn"] += 1
-                continue
-            text = tokenizer.apply_chat_template(list(record.messages[:turns[-1]]), tokenize=False,
-                                                 add_generation_prompt=True)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(ids) > max_prompt_tokens:
-                skipped["too_long"] += 1
-                continue
-            prompts.append(ids)
-            if len(prompts) == num_prompts:
-                return prompts, skipped
+    skipped = {}
+    prompts = encode_prompts(tokenizer, iter_prompts(paths, stats=skipped), max_tokens=max_prompt_tokens,
+                             limit=num_prompts, stats=skipped)
     if not prompts:
         raise ConfigError(f"evaluate.data: no usable prompt in {[str(p) for p in paths]} ({skipped})")
-    return prompts, skipped
-
-
-def _eos_ids(tokenizer, target) -> list[int]:
-    """The tokenizer's eos plus any the generation config lists (Qwen3 ends turns on either)."""
-    found = [tokenizer.eos_token_id, getattr(target.generation_config, "eos_token_id", None)]
-    ids = set()
-    for item in found:
-        ids.update([item] if isinstance(item, int) else (item or []))
-    return sorted(ids)
+    return [p.token_ids for p in prompts], skipped
 
 
 def evaluate(cfg: DictConfig) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from dflash_core.prompts import stop_token_ids
     from dflash_core.speculative import greedy_decode, speculative_generate
     ev = cfg.evaluate
     device = resolve_device(ev.device, "evaluate.device")
@@ -100,7 +77,7 @@ def evaluate(cfg: DictConfig) -> dict:
     max_prompt = target.config.max_position_embeddings - ev.max_new_tokens - block_size
     prompts, skipped = load_prompts(dataset_paths(ev.data, "evaluate.data"), tokenizer, ev.num_prompts,
                                     max_prompt_tokens=max_prompt)
-    eos = _eos_ids(tokenizer, target)
+    eos = stop_token_ids(tokenizer, target.generation_config)
 
     per_prompt, spec_s, greedy_s = [], 0.0, 0.0
     for ids in prompts:
@@ -160,7 +137,7 @@ def format_table(summary: dict) -> str:
 
 
 def run(overrides: list[str]) -> int:
-    if int(os.environ.get("RANK", 0)) != 0:
+    if int(os.environ.get("RANK", "0")) != 0:
         return 0  # under torchrun: rank 0 alone evaluates
     cfg = compose_config(overrides, config_name="evaluate")
     require(cfg, cfg.evaluate.drafter is not None, "evaluate.drafter",

@@ -7,7 +7,8 @@ r+2W, ... and appends its answers to its own part file; after a barrier rank 0 m
 in input order into the output JSONL (temp file, then rename). Part files survive a crash, so a
 rerun with the same settings and world size answers only what is missing.
 
-Output records: {"id", "conversations": [...the prompt's turns..., {"role": "assistant", "content"}]}.
+Output records: {"id", "conversations": [...the prompt's turns..., {"role": "assistant", "content"}]}, plus the
+input's "tools" when it has them. Prompts render like training data (dflash_core.prompts).
 """
 from __future__ import annotations
 
@@ -17,15 +18,16 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from datetime import timedelta
+from itertools import islice
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from dflash_core.data import file_digest
+from dflash_core.prompts import Prompt, encode_prompts, iter_prompts, stop_token_ids
 from launcher.config import ConfigError, compose_config, require
-from launcher.resolve import compute_dtype, dataset_path, ensure_embedded_target, resolve_device, target_dir
+from launcher.resolve import compute_dtype, dataset_paths, ensure_embedded_target, resolve_device, target_dir
 from launcher.run_io.rundir import log, setup_logging
 
 USAGE = """\
@@ -39,114 +41,45 @@ _FINGERPRINT_KEYS = ("input", "tokenizer", "drop_last_assistant", "limit", "max_
                      "temperature", "top_p", "top_k", "seed", "chat_template_kwargs", "on_bad_line", "batch_size")
 
 
-@dataclass
-class Prompt:
-    index: int              # position among the answerable records, in input order
-    id: object
-    messages: list[dict]    # the turns the answer follows (ends with a user turn)
-    token_ids: list[int] | None = None  # the rendered prompt with the generation header
-
-
 def validate(cfg: DictConfig) -> None:
     require(cfg, Path(cfg.regenerate.output).suffix == ".jsonl", "regenerate.output", "must be a .jsonl file")
 
 
 # ----------------------------------------------------------------------------- prompts
 def input_path(cfg: DictConfig) -> Path:
-    return dataset_path(cfg.regenerate.input, "regenerate.input")
+    paths = dataset_paths(cfg.regenerate.input, "regenerate.input")
+    if len(paths) != 1:
+        raise ConfigError(f"regenerate.input={cfg.regenerate.input!r}: names {len(paths)} files; regenerate one at a time")
+    return paths[0]
 
 
-def prompt_messages(messages, drop_last_assistant: bool) -> list[dict] | None:
-    """The turns to answer, or None when the conversation does not end with a user turn to answer.
-
-    A conversation ending with an assistant turn loses that turn (drop_last_assistant); one that
-    already ends with a user turn (a prompt-only record) is the prompt as it stands.
-    """
-    messages = list(messages)
-    if drop_last_assistant and messages and messages[-1]["role"] == "assistant":
-        messages = messages[:-1]
-    return messages if messages and messages[-1]["role"] == "user" else None
-
-
-def _raw_ids(path: Path) -> dict[str, object]:
-    """The "id" of each raw row, keyed like read_records' locations (a Record keeps no id)."""
-    suffix = path.suffix.lower()
-    try:
-        if suffix == ".jsonl":
-            with open(path, encoding="utf-8") as f:
-                rows = {f"line {n}": _json_or_none(line) for n, line in enumerate(f, start=1)}
-        elif suffix == ".json":
-            rows = {f"record {n}": row for n, row in enumerate(json.loads(path.read_text(encoding="utf-8")), start=1)}
-        else:
-            return {}
-    except (ValueError, TypeError):  # malformed: read_records reports it properly
-        return {}
-    return {location: row.get("id") for location, row in rows.items() if isinstance(row, dict)}
-
-
-def _json_or_none(line: str):
-    try:
-        return json.loads(line)
-    except ValueError:
-        return None
+def _template_kwargs(cfg: DictConfig) -> dict:
+    return OmegaConf.to_container(cfg.regenerate.chat_template_kwargs)
 
 
 def load_prompts(cfg: DictConfig) -> tuple[list[Prompt], dict]:
     """Every answerable record of the input, in input order (identical on every rank, no tokenizing)."""
-    from dflash_core.data import read_records
-
-    r, path = cfg.regenerate, input_path(cfg)
-    stats = {"read": 0, "bad_lines_skipped": 0, "no_conversation": 0, "no_user_turn": 0}
-    ids = _raw_ids(path)
-    prompts = []
-    for ordinal, (location, record) in enumerate(read_records(path, on_bad_line=r.on_bad_line, stats=stats)):
-        if record.messages is None:  # preformatted text: no turns to tell the prompt from the answer
-            stats["no_conversation"] += 1
-            continue
-        messages = prompt_messages(record.messages, r.drop_last_assistant)
-        if messages is None:
-            stats["no_user_turn"] += 1
-            continue
-        record_id = ids.get(location)
-        prompts.append(Prompt(len(prompts), record_id if record_id is not None else f"{path.stem}-{ordinal}",
-                              messages))
-        if r.limit is not None and len(prompts) >= r.limit:
-            break
+    r, stats = cfg.regenerate, {}
+    prompts = list(islice(iter_prompts(input_path(cfg), drop_last_assistant=r.drop_last_assistant,
+                                       on_bad_line=r.on_bad_line, stats=stats), r.limit))
     stats["prompts"] = len(prompts)
     return prompts, stats
 
 
-def tokenize_prompts(cfg: DictConfig, tokenizer, prompts: list[Prompt]) -> tuple[list[Prompt], int]:
-    """Render and tokenise (only this rank's share); drops prompts over max_prompt_length."""
-    r = cfg.regenerate
-    texts = [tokenizer.apply_chat_template(p.messages, tokenize=False, add_generation_prompt=True,
-                                           **OmegaConf.to_container(r.chat_template_kwargs)) for p in prompts]
-    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-    kept = []
-    for prompt, token_ids in zip(prompts, encoded):
-        if len(token_ids) <= r.max_prompt_length:
-            prompt.token_ids = token_ids
-            kept.append(prompt)
-    return kept, len(prompts) - len(kept)
+def tokenize_prompts(cfg: DictConfig, tokenizer, prompts: list[Prompt]) -> tuple[list[Prompt], dict]:
+    """Render and tokenise (only this rank's share); drops and counts prompts over max_prompt_length
+    and, under on_bad_line=skip, conversations the template cannot render."""
+    r, stats = cfg.regenerate, {}
+    kept = encode_prompts(tokenizer, prompts, max_tokens=r.max_prompt_length,
+                          chat_template_kwargs=_template_kwargs(cfg), on_bad_line=r.on_bad_line, stats=stats)
+    return kept, {"too_long": stats["too_long"], "unrenderable": stats.get("skipped_unrenderable", 0)}
 
 
 # ----------------------------------------------------------------------------- generation
-def stop_token_ids(tokenizer, model) -> list[int]:
-    """The tokenizer's eos, ChatML's end of turn, and whatever the model's generation config stops at."""
-    ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
-    configured = model.generation_config.eos_token_id
-    ids.update(configured if isinstance(configured, list) else [configured])
-    ids.discard(None)
-    ids.discard(tokenizer.unk_token_id)
-    if not ids:
-        raise ConfigError(f"the tokenizer at {tokenizer.name_or_path} defines no eos token: generation could not stop")
-    return sorted(ids)
-
-
 def generation_config(cfg: DictConfig, stop_ids: list[int], pad_id: int):
     from transformers import GenerationConfig
     r = cfg.regenerate
-    common = dict(max_new_tokens=r.max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad_id)
+    common = {"max_new_tokens": r.max_new_tokens, "eos_token_id": stop_ids, "pad_token_id": pad_id}
     if r.temperature == 0:
         return GenerationConfig(do_sample=False, **common)
     # Every sampling knob is set, so the checkpoint's own defaults (Qwen3: top_k 20) do not leak in.
@@ -230,7 +163,7 @@ def merge_parts(parts: Path, world: int, num_prompts: int, output: Path) -> int:
 
 # ----------------------------------------------------------------------------- the job
 def run(overrides: list[str]) -> int:
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     tag = f"regen{rank}"
     setup_logging(tag, logging.INFO if rank == 0 else logging.WARNING)
     cfg = compose_config(overrides, config_name="regenerate")
@@ -258,17 +191,17 @@ def run(overrides: list[str]) -> int:
     model = AutoModelForCausalLM.from_pretrained(target_dir(cfg), dtype=compute_dtype(cfg.target.dtype, device))
     model.requires_grad_(False).eval().to(device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    stop_ids = stop_token_ids(tokenizer, model)
+    stop_ids = stop_token_ids(tokenizer, model.generation_config, _template_kwargs(cfg))
     gen_config = generation_config(cfg, stop_ids, pad_id)
     torch.manual_seed(r.seed + rank)
 
     part = parts / f"rank{rank:05d}.jsonl"
     done = read_part(part)
-    mine, too_long = tokenize_prompts(cfg, tokenizer, [p for p in prompts[rank::world] if p.index not in done])
+    mine, dropped = tokenize_prompts(cfg, tokenizer, [p for p in prompts[rank::world] if p.index not in done])
     # Longest first: batches of similar lengths pad little, and running out of memory shows up
     # in the first batch rather than hours in.
     mine.sort(key=lambda p: -len(p.token_ids))
-    counts = {"answered": 0, "unfinished": 0, "empty": 0, "too_long": too_long, "resumed": len(done),
+    counts = {"answered": 0, "unfinished": 0, "empty": 0, **dropped, "resumed": len(done),
               "new_tokens": 0}
     started = time.perf_counter()
     with open(part, "a", encoding="utf-8") as f:
@@ -281,7 +214,8 @@ def run(overrides: list[str]) -> int:
                     continue
                 counts["answered"] += 1
                 counts["new_tokens"] += len(tokenizer(text, add_special_tokens=False)["input_ids"])
-                record = {"id": prompt.id, "conversations": prompt.messages + [{"role": "assistant", "content": text}]}
+                record = {"id": prompt.id, "conversations": prompt.messages + [{"role": "assistant", "content": text}],
+                          **({"tools": prompt.tools} if prompt.tools else {})}
                 f.write(json.dumps({"index": prompt.index, "record": record}, ensure_ascii=False) + "\n")
             f.flush()  # a crash loses at most the batch in flight
             if rank == 0 and (batch_no + 1) % r.log_every == 0:

@@ -97,19 +97,18 @@ def target_dir(cfg: DictConfig) -> Path:
     return path
 
 
-def dataset_path(entry, key: str) -> Path:
-    """A dataset file, or the name of a bundled set (`bundled:tiny_chat`); `key` names the setting."""
-    path = Path(_BUNDLED.get(str(entry), entry))
-    if not path.exists():
-        raise ConfigError(f"{key}: {str(path)!r} does not exist")
-    return path
-
-
 def dataset_paths(entries, key: str) -> list[Path]:
+    """Dataset files, `datasets` directories, directories of files or bundled set names
+    (`bundled:tiny_chat`), from a string or a list; `key` names the setting in errors."""
+    from dflash_core.data import dataset_sources
     entries = [entries] if isinstance(entries, str) else list(entries)
     if not entries:
-        raise ConfigError(f"{key}=[]: name at least one dataset file")
-    return [dataset_path(entry, key) for entry in entries]
+        raise ConfigError(f"{key}=[]: name at least one dataset file or directory")
+    paths = [Path(_BUNDLED.get(str(entry), entry)) for entry in entries]
+    for path in paths:
+        if not path.exists():
+            raise ConfigError(f"{key}: {str(path)!r} does not exist")
+    return dataset_sources(paths)
 
 
 def compute_dtype(setting: str, device: torch.device) -> torch.dtype:

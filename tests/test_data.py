@@ -1,4 +1,3 @@
-import importlib.util
 import json
 import random
 import re
@@ -8,7 +7,14 @@ import torch
 from transformers import AutoTokenizer
 
 import dflash_core.data.tokenize as data
-from dflash_core.data import DataError, MicroBatchSource, load_samples
+from dflash_core.data import (
+    DataError,
+    MicroBatchSource,
+    describe_drops,
+    drop_warning,
+    load_samples,
+    load_tokenizer,
+)
 from dflash_core.tiny import BUNDLED_DATASET
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
@@ -109,12 +115,39 @@ def test_samples_without_two_consecutive_supervised_tokens_are_dropped(tmp_path,
     assert stats["read"] == 3 and stats["kept"] == 1 and stats["truncated"] == 2
 
 
-@pytest.mark.parametrize("bad_line", ["{not json", json.dumps({"conversations": [{"from": "robot", "value": "x"}]}),
-                                      json.dumps({"id": 3})])
-def test_malformed_line_fails_naming_file_and_line(tmp_path, tokenizer, bad_line):
+@pytest.mark.parametrize("bad_line, reason", [
+    ("{not json", "invalid JSON"),
+    (json.dumps({"conversations": [{"from": "robot", "value": "x"}]}), "malformed record"),
+    (json.dumps({"id": 3}), "malformed record")])
+def test_malformed_line_fails_naming_file_and_line(tmp_path, tokenizer, bad_line, reason):
     path = write_jsonl(tmp_path / "bad.jsonl", [{"conversations": TWO_TURNS}, "", bad_line])
-    with pytest.raises(DataError, match=re.escape(f"{path} line 3: malformed record")):
+    with pytest.raises(DataError, match=re.escape(f"{path} line 3: {reason}")):
         load_samples(path, tokenizer, max_length=512)
+
+
+def test_invalid_utf8_is_one_bad_line_not_a_dead_file(tmp_path, tokenizer):
+    path = tmp_path / "bytes.jsonl"
+    good = json.dumps({"conversations": TWO_TURNS}).encode()
+    path.write_bytes(good + b"\n" + b'{"text": "caf\xe9"}\n' + good + b"\n")
+    with pytest.raises(DataError, match=re.escape(f"{path} line 2: invalid UTF-8: byte 13")):
+        load_samples(path, tokenizer, max_length=512)
+    samples, stats = load_samples(path, tokenizer, max_length=512, on_bad_line="skip")
+    assert len(samples) == 2 and stats["skipped_invalid_utf8"] == stats["bad_lines_skipped"] == 1
+    assert stats["first_bad_line"].startswith(f"{path} line 2: invalid UTF-8")
+
+
+def test_json_list_records_are_located_by_line(tmp_path, tokenizer):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([{"conversations": TWO_TURNS}, {"conversations": []}], indent=1))
+    line = [n for n, text in enumerate(path.read_text().splitlines(), start=1) if text == " {"][1]  # record 2
+    with pytest.raises(DataError, match=re.escape(f"{path} line {line}: malformed record")):
+        load_samples(path, tokenizer, max_length=512)
+    path.write_text('[\n{"text": "ok"},\n{"text": oops}\n]')
+    with pytest.raises(DataError, match=re.escape(f"{path} line 3: invalid JSON (a .json file is read whole)")):
+        load_samples(path, tokenizer, max_length=512, on_bad_line="skip")
+    path.write_bytes(b'[\n{"text": "ok"},\n{"text": "caf\xe9"}\n]')
+    with pytest.raises(DataError, match=re.escape(f"{path} line 3: invalid UTF-8 (a .json file is read whole)")):
+        load_samples(path, tokenizer, max_length=512, on_bad_line="skip")
 
 
 def test_malformed_lines_are_skipped_and_counted(tmp_path, tokenizer):
@@ -127,6 +160,35 @@ def test_empty_dataset_after_filtering_is_an_error_with_counts(tmp_path, tokeniz
     path = write_jsonl(tmp_path / "empty.jsonl", ["oops", {"conversations": [{"role": "user", "content": "Hi"}]}])
     with pytest.raises(DataError, match=r"no usable samples.*'dropped_no_pair': 1.*'bad_lines_skipped': 1"):
         load_samples(path, tokenizer, max_length=512, on_bad_line="skip")
+
+
+def test_drop_counts_say_why_and_warn_when_most_are_dropped(tmp_path, tokenizer):
+    lines = ["{oops", json.dumps({"conversations": [{"role": "robot", "content": "x"}]}),
+             {"conversations": [{"role": "user", "content": "Hi"}]}, {"conversations": TWO_TURNS}]
+    samples, stats = load_samples(write_jsonl(tmp_path / "d.jsonl", lines), tokenizer, max_length=512,
+                                  on_bad_line="skip")
+    assert len(samples) == 1 and stats["read"] == stats["kept"] + stats["dropped_no_pair"] + stats["bad_lines_skipped"]
+    warning = drop_warning(stats)
+    assert warning.startswith("WARNING: most of the dataset was dropped: kept 1 of 4 records, dropped 3 "
+                              "(1 invalid JSON, 1 malformed record, 1 with fewer than two supervised tokens)")
+    assert f"first skipped line: {tmp_path / 'd.jsonl'} line 1: invalid JSON" in warning
+    _, clean = load_samples(write_jsonl(tmp_path / "ok.jsonl", [{"conversations": TWO_TURNS}] * 3), tokenizer,
+                            max_length=512)
+    assert drop_warning(clean) is None and describe_drops(clean) == "kept 3 of 3 records, dropped 0"
+
+
+def test_tokenizer_paths_are_checked_before_any_hub_lookup(tmp_path, tiny_target_dir, monkeypatch):
+    import transformers
+    calls = []
+    real = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: calls.append(k) or real(*a, **k))
+    with pytest.raises(DataError, match="tokenizer path 'Qwen/Qwen3-8B' does not exist"):
+        load_tokenizer("Qwen/Qwen3-8B")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="holds no tokenizer"):
+        load_tokenizer(tmp_path / "empty")
+    assert calls == []
+    assert load_tokenizer(tiny_target_dir).is_fast and calls == [{"local_files_only": True}]
 
 
 def test_tokenizer_without_chat_template_is_a_clear_error(tmp_path, tiny_target_dir):
@@ -144,20 +206,12 @@ def test_json_list_files_are_read(tmp_path, tokenizer):
     assert len(samples) == 2 and stats["read"] == 2
 
 
-@pytest.mark.skipif(importlib.util.find_spec("pyarrow") is not None, reason="pyarrow is installed")
-def test_parquet_without_pyarrow_names_the_file(tmp_path, tokenizer):
-    path = tmp_path / "d.parquet"
-    path.write_bytes(b"PAR1")
-    with pytest.raises(DataError, match=re.escape(f"{path}: reading .parquet needs pyarrow")):
-        load_samples(path, tokenizer, max_length=512)
-
-
 # ------------------------------------------------------------------------- cache and bundled data
 def test_tokenisation_is_cached_per_file_tokenizer_and_settings(tmp_path, tokenizer, monkeypatch):
     path = write_jsonl(tmp_path / "d.jsonl", [{"conversations": TWO_TURNS}])
     cache = tmp_path / "cache"
     first, first_stats = load_samples(path, tokenizer, max_length=512, cache_dir=cache)
-    monkeypatch.setattr(data, "_tokenize_file", lambda *a, **k: pytest.fail("cache miss"))
+    monkeypatch.setattr(data, "_tokenize_source", lambda *a, **k: pytest.fail("cache miss"))
     again, again_stats = load_samples(path, tokenizer, max_length=512, cache_dir=cache)
     assert again_stats == first_stats
     assert torch.equal(again[0]["input_ids"], first[0]["input_ids"])
@@ -169,6 +223,58 @@ def test_tokenisation_is_cached_per_file_tokenizer_and_settings(tmp_path, tokeni
     changed, _ = load_samples(path, tokenizer, max_length=512, cache_dir=cache)
     assert len(list(cache.glob("*.pt"))) == 3
     assert len(changed[0]["input_ids"]) < len(first[0]["input_ids"])
+
+
+def test_corrupt_cache_is_rebuilt_with_a_warning(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"conversations": TWO_TURNS}])
+    cache = tmp_path / "cache"
+    first, _ = load_samples(path, tokenizer, max_length=512, cache_dir=cache)
+    [cache_file] = cache.glob("*.pt")
+    cache_file.write_bytes(cache_file.read_bytes()[:100])  # torn
+    with pytest.warns(UserWarning, match=re.escape(f"tokenised cache {cache_file} is unreadable") + ".*rebuilding"):
+        again, _ = load_samples(path, tokenizer, max_length=512, cache_dir=cache)
+    assert torch.equal(again[0]["loss_mask"], first[0]["loss_mask"])
+    assert data._load_cache(cache_file) is not None  # rewritten whole
+
+
+def test_directories_and_plain_strings_are_read(tmp_path, tokenizer):
+    folder = tmp_path / "set"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", [{"conversations": TWO_TURNS}])
+    (folder / "b.json").write_text(json.dumps([{"text": "plain text sample"}]))
+    (folder / "README.md").write_text("not data")
+    samples, stats = load_samples(str(folder), tokenizer, max_length=512)
+    assert len(samples) == 2 and stats["read"] == 2
+    assert len(load_samples(str(folder / "a.jsonl"), tokenizer, max_length=512)[0]) == 1
+    (tmp_path / "none").mkdir()
+    for path, message in [(tmp_path / "none", "holds no .jsonl/.json/.parquet file"),
+                          (tmp_path / "missing", "dataset path not found"), (folder / "README.md", "unsupported")]:
+        with pytest.raises(DataError, match=re.escape(str(path)) + ".*" + re.escape(message) + "|"
+                           + re.escape(message) + ".*" + re.escape(str(path))):
+            load_samples(path, tokenizer, max_length=512)
+
+
+def test_datasets_dict_directory_reads_its_train_split(tmp_path, tokenizer):
+    import datasets
+    datasets.disable_progress_bars()
+    train = [{"conversations": TWO_TURNS, "text": None}, {"conversations": None, "text": "plain text sample"}]
+    splits = datasets.DatasetDict(train=datasets.Dataset.from_list(train),
+                                  test=datasets.Dataset.from_list(train[:1]))
+    splits.save_to_disk(str(tmp_path / "dd"))
+    samples, stats = load_samples(tmp_path / "dd", tokenizer, max_length=512)
+    assert len(samples) == 2 and stats["read"] == 2
+    datasets.DatasetDict(a=splits["train"], b=splits["test"]).save_to_disk(str(tmp_path / "ab"))
+    with pytest.raises(DataError, match="splits \\['a', 'b'\\] and no 'train' split"):
+        load_samples(tmp_path / "ab", tokenizer, max_length=512)
+    datasets.Dataset.from_list([*train, {"conversations": [], "text": None}]).save_to_disk(str(tmp_path / "bad"))
+    with pytest.raises(DataError, match=re.escape(f"{tmp_path / 'bad'} row 3: malformed record")):
+        load_samples(tmp_path / "bad", tokenizer, max_length=512)
+
+
+def test_chat_template_kwargs_must_be_a_json_dict(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"conversations": TWO_TURNS}])
+    with pytest.raises(ValueError, match="chat_template_kwargs must hold JSON values"):
+        load_samples(path, tokenizer, max_length=512, chat_template_kwargs={"when": object()})
 
 
 def test_several_files_add_up_even_when_one_keeps_nothing(tmp_path, tokenizer):

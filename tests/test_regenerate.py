@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from dflash_core.data import load_samples, read_records
+from dflash_core.prompts import prompt_messages
 from dflash_core.tiny import BUNDLED_DATASET
-from launcher.regenerate import merge_parts, prompt_messages, read_part
+from launcher.regenerate import merge_parts, read_part
 from tests.launching import REPO
 
 NUM_PROMPTS, MAX_NEW_TOKENS = 16, 24
@@ -19,7 +20,7 @@ def torchrun(nproc: int, module: str, *overrides: str, timeout: float = 300) -> 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", module, *overrides]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(cmd, check=False, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def _bundled_conversations(n: int) -> list[tuple[str, list[dict]]]:
