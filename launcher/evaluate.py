@@ -11,7 +11,7 @@ import os
 import time
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from launcher.config import ConfigError, compose_config, require
 from launcher.resolve import compute_dtype, dataset_paths, ensure_embedded_target, resolve_device, target_dir
@@ -44,7 +44,8 @@ def load_drafter(path, *, device=None, dtype=None):
     return drafter.to(device=device, dtype=dtype).eval()
 
 
-def load_prompts(paths, tokenizer, num_prompts: int, *, max_prompt_tokens: int) -> tuple[list[list[int]], dict]:
+def load_prompts(paths, tokenizer, num_prompts: int, *, max_prompt_tokens: int,
+                 chat_template_kwargs: dict | None = None) -> tuple[list[list[int]], dict]:
     """Token ids of the first num_prompts prompts that fit max_prompt_tokens: each conversation
     without its last assistant turn (prompt-only records as they are), rendered like training
     data (dflash_core.prompts)."""
@@ -52,32 +53,35 @@ def load_prompts(paths, tokenizer, num_prompts: int, *, max_prompt_tokens: int) 
 
     skipped = {}
     prompts = encode_prompts(tokenizer, iter_prompts(paths, stats=skipped), max_tokens=max_prompt_tokens,
-                             limit=num_prompts, stats=skipped)
+                             limit=num_prompts, chat_template_kwargs=chat_template_kwargs, stats=skipped)
     if not prompts:
         raise ConfigError(f"evaluate.data: no usable prompt in {[str(p) for p in paths]} ({skipped})")
     return [p.token_ids for p in prompts], skipped
 
 
 def evaluate(cfg: DictConfig) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from dflash_core.data import load_tokenizer
     from dflash_core.prompts import stop_token_ids
     from dflash_core.speculative import greedy_decode, speculative_generate
+
     ev = cfg.evaluate
+    template_kwargs = OmegaConf.to_container(ev.chat_template_kwargs)
     device = resolve_device(ev.device, "evaluate.device")
     dtype = compute_dtype(cfg.target.dtype, device)
     ensure_embedded_target(cfg, ev.seed)
     path = target_dir(cfg)
     hf_logging.disable_progress_bar()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     drafter = load_drafter(ev.drafter, device=device, dtype=dtype)
     block_size = drafter.config.block_size
     max_prompt = target.config.max_position_embeddings - ev.max_new_tokens - block_size
     prompts, skipped = load_prompts(dataset_paths(ev.data, "evaluate.data"), tokenizer, ev.num_prompts,
-                                    max_prompt_tokens=max_prompt)
-    eos = stop_token_ids(tokenizer, target.generation_config)
+                                    max_prompt_tokens=max_prompt, chat_template_kwargs=template_kwargs)
+    eos = stop_token_ids(tokenizer, target.generation_config, template_kwargs)
 
     per_prompt, spec_s, greedy_s = [], 0.0, 0.0
     for ids in prompts:

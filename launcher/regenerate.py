@@ -172,7 +172,9 @@ def run(overrides: list[str]) -> int:
 
     import torch
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from dflash_core.data import load_tokenizer
 
     device = resolve_device(r.device, "regenerate.device", int(os.environ.get("LOCAL_RANK", 0)))
     if device.type == "cuda":
@@ -186,7 +188,7 @@ def run(overrides: list[str]) -> int:
         prepare_parts(cfg, parts, world)
     dist.barrier()
 
-    tokenizer = AutoTokenizer.from_pretrained(Path(r.tokenizer) if r.tokenizer else target_dir(cfg))
+    tokenizer = load_tokenizer(Path(r.tokenizer) if r.tokenizer else target_dir(cfg))
     prompts, stats = load_prompts(cfg)
     model = AutoModelForCausalLM.from_pretrained(target_dir(cfg), dtype=compute_dtype(cfg.target.dtype, device))
     model.requires_grad_(False).eval().to(device)

@@ -165,6 +165,7 @@ class EvaluateSettings:
     max_new_tokens: int = knob(64, "tokens generated per prompt", ge=1)
     device: str = knob("auto", "auto (cuda when available) | cpu | cuda", choices=DEVICES)
     check_lossless: bool = knob(True, "also decode greedily with the target alone and compare token for token")
+    chat_template_kwargs: dict = knob({}, "passed to the chat template, e.g. {enable_thinking: false} (as in training)")
     output: Optional[str] = knob(None, "JSON result path; null: <drafter dir>.speculative.json")
     seed: int = knob(0, "seed of the tiny target build when it is missing (match the run's run.seed)", ge=0)
 

@@ -7,9 +7,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from transformers import AutoTokenizer
+from omegaconf import OmegaConf
 
-from dflash_core.data import MicroBatchSource, load_samples
+from dflash_core.data import MicroBatchSource, describe_drops, drop_warning, load_samples, load_tokenizer
 from dflash_core.target import CapturingTarget, load_target, random_target
 from launcher.config import ConfigError
 from launcher.context import Context
@@ -25,10 +25,11 @@ log = logging.getLogger("dflash")
 def build_sources(job: Job) -> tuple[MicroBatchSource, MicroBatchSource | None, dict]:
     """The train and held-out micro-batch sources every target unit serves (identical on every rank)."""
     cfg = job.cfg
-    tokenizer = AutoTokenizer.from_pretrained(job.tokenizer_dir)
+    tokenizer = load_tokenizer(job.tokenizer_dir)
     samples, stats = load_samples(
         dataset_paths(cfg.data.paths, "data.paths"), tokenizer, max_length=cfg.data.max_length,
-        last_turn_only=cfg.data.last_turn_only, on_bad_line=cfg.data.on_bad_line, cache_dir=cfg.data.cache_dir)
+        last_turn_only=cfg.data.last_turn_only, on_bad_line=cfg.data.on_bad_line, cache_dir=cfg.data.cache_dir,
+        chat_template_kwargs=OmegaConf.to_container(cfg.data.chat_template_kwargs))
     order = list(range(len(samples)))
     random.Random(cfg.run.seed).shuffle(order)
     num_eval = 0
@@ -83,6 +84,8 @@ def run_target(ctx: Context) -> dict:
     if ctx.rank == 0:
         dist.barrier(group=ctx.groups.targets)
     log.info("data: %s", data_stats)
+    if ctx.rank == 0:   # once per job, on the console
+        log.warning("data: %s", drop_warning(data_stats) or describe_drops(data_stats))
     target = load_capturing_target(ctx)
 
     # Drafters may still be compiling: wait for them here, under the long start-up timeout,
