@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 from launcher.config import ConfigError, compose_config, require, resolve_device
 
+
 def validate(cfg: DictConfig) -> None:
     ev = cfg.evaluate
     require(cfg, ev.drafter is not None, "evaluate.drafter",
@@ -27,8 +28,10 @@ def validate(cfg: DictConfig) -> None:
 
 def load_drafter(path, *, device=None, dtype=None):
     """A DFlashDrafter from an exported HF directory (config.json) or a training checkpoint
-    directory (meta.json + state.pt), in eval mode."""
+    directory (meta.json + state.pt), in eval mode. Non-finite weights (a diverged run) are refused:
+    they would "draft" nothing and report a meaningless acceptance length."""
     from dflash_core.export import CONFIG_NAME, load_exported
+    from dflash_core.finite import check_finite
     from dflash_core.model import DFlashDrafter, DrafterConfig
     from launcher import checkpoint
 
@@ -42,6 +45,7 @@ def load_drafter(path, *, device=None, dtype=None):
     else:
         raise ConfigError(f"evaluate.drafter={str(path)!r}: neither an exported drafter (no {CONFIG_NAME}) "
                           f"nor a checkpoint directory (no meta.json)")
+    check_finite(drafter, f"evaluate.drafter={str(path)!r}")
     return drafter.to(device=device, dtype=dtype).eval()
 
 
@@ -172,7 +176,7 @@ def format_table(summary: dict) -> str:
 
 
 def run(overrides: list[str]) -> int:
-    if int(os.environ.get("RANK", 0)) != 0:
+    if int(os.environ.get("RANK", "0")) != 0:
         return 0  # under torchrun: rank 0 alone evaluates
     cfg = compose_config(overrides, config_name="evaluate")
     validate(cfg)
