@@ -159,7 +159,7 @@ def stop_token_ids(tokenizer, model) -> list[int]:
 def generation_config(cfg: DictConfig, stop_ids: list[int], pad_id: int):
     from transformers import GenerationConfig
     r = cfg.regenerate
-    common = dict(max_new_tokens=r.max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad_id)
+    common = {"max_new_tokens": r.max_new_tokens, "eos_token_id": stop_ids, "pad_token_id": pad_id}
     if r.temperature == 0:
         return GenerationConfig(do_sample=False, **common)
     # Every sampling knob is set, so the checkpoint's own defaults (Qwen3: top_k 20) do not leak in.
@@ -190,6 +190,22 @@ def answer(model, tokenizer, prompts: list[Prompt], gen_config, stop_ids: list[i
             text = text.replace(special, "")
         results.append((text.strip(), stop is not None))
     return results
+
+
+# ----------------------------------------------------------------------------- output
+def check_output(cfg: DictConfig) -> None:
+    """Before any work: the output never replaces the input, and replaces an existing file only when
+    regenerate.overwrite asks for it."""
+    r = cfg.regenerate
+    output, source = Path(r.output).resolve(), input_path(cfg).resolve()
+    if output == source or (output.exists() and os.path.samefile(output, source)):
+        raise ConfigError(f"regenerate.output={r.output!r} is the input file {str(source)!r}: the answers would "
+                          f"replace the dataset they are read from; choose another output")
+    if output.is_dir():
+        raise ConfigError(f"regenerate.output={r.output!r} is a directory; give a .jsonl file path")
+    if output.exists() and not r.overwrite:
+        raise ConfigError(f"regenerate.output={r.output!r} already exists; set regenerate.overwrite=true to "
+                          f"replace it, or choose another output")
 
 
 # ----------------------------------------------------------------------------- part files
@@ -243,11 +259,12 @@ def merge_parts(parts: Path, world: int, num_prompts: int, output: Path) -> int:
 
 # ----------------------------------------------------------------------------- the job
 def run(overrides: list[str]) -> int:
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     tag = f"regen{rank}"
     setup_logging(tag, logging.INFO if rank == 0 else logging.WARNING)
     cfg = compose_config(overrides, config_name="regenerate")
     validate(cfg)
+    check_output(cfg)
     r = cfg.regenerate
 
     import torch
@@ -256,7 +273,7 @@ def run(overrides: list[str]) -> int:
 
     from launcher.setup_models import compute_dtype, ensure_embedded_target, target_dir
 
-    device = resolve_device(r.device, "regenerate.device", int(os.environ.get("LOCAL_RANK", 0)))
+    device = resolve_device(r.device, "regenerate.device", int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # gloo for everything: the ranks exchange only a barrier and a few small objects.
