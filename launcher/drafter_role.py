@@ -268,6 +268,6 @@ def run_drafter(ctx: Context) -> dict:
         sink.close()
         log.info("curves: %s", plot_run(ctx.run_dir))
         if cfg.run.export:
-            export_drafter(trainer.drafter, ctx.run_dir / "export")
+            export_drafter(trainer.drafter, ctx.run_dir / "export", overwrite=True)  # a resumed run exports again
             log.info("exported the drafter to %s", ctx.run_dir / "export")
     return result
