@@ -1,12 +1,21 @@
-"""Export the drafter as the Hugging Face directory vLLM and SGLang load, and load it back.
+"""Export the drafter as a Hugging Face model directory, and load it back.
 
-config.json: Qwen3 fields + architectures ["DFlashDraftModel"], block_size,
-num_target_layers, dflash_config {mask_token_id, target_layer_ids (HF numbering), block_size}.
-model.safetensors: exactly the drafter's state_dict keys (no prefix, no embedding, no LM
-head). SGLang silently ignores unknown names, so both directions are checked strictly.
+What vLLM and SGLang read stays fixed: config.json with the Qwen3 fields, architectures
+["DFlashDraftModel"], model_type "qwen3", block_size, num_target_layers and dflash_config
+{mask_token_id, target_layer_ids (HF numbering), block_size}; model.safetensors with exactly the
+drafter's state_dict keys (no prefix, no embedding, no LM head). SGLang silently ignores unknown
+names, so both directions are checked strictly.
+
+For transformers, config.json also maps AutoModel to dflash.DFlashDraftModel (the layout of the
+public z-lab checkpoints) and the code lies beside it: dflash.py (hf_model.py, a thin wrapper)
+and the drafter's own source (model.py and what it imports relatively), so
+`AutoModel.from_pretrained(dir, trust_remote_code=True)` is this project's drafter. README.md is
+the model card (model_card.py).
+
+The directory is world-readable (0755 / 0644) and written into a temporary sibling, then renamed
+into place. It never replaces anything but a previous export, and that only when asked.
 """
 
-import dataclasses
 import json
 import os
 import shutil
@@ -17,11 +26,22 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .model import DFlashDrafter, DrafterConfig
+from . import hf_model
+from .finite import check_finite
+from .hf_model import drafter_config_from_dict
+from .model import DFlashDrafter
+from .model_card import CARD_NAME, write_model_card
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+MODELING_NAME = "dflash.py"
+ARCHITECTURES = ["DFlashDraftModel"]
+AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
+
+
+class ExportExistsError(FileExistsError):
+    """The output path exists and may not be replaced; the message says why and what to do."""
 
 
 def expected_keys(cfg):
@@ -38,8 +58,9 @@ def expected_keys(cfg):
 def config_to_json(cfg, dtype=torch.bfloat16):
     sliding = "sliding_attention" in cfg.layer_types
     return {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": ARCHITECTURES,
         "model_type": "qwen3",
+        "auto_map": AUTO_MAP,
         "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.num_hidden_layers,
         "num_attention_heads": cfg.num_attention_heads,
@@ -70,44 +91,108 @@ def config_to_json(cfg, dtype=torch.bfloat16):
     }
 
 
-def config_from_json(data):
-    dflash = data["dflash_config"]
-    fields = {f.name for f in dataclasses.fields(DrafterConfig)}
-    values = {name: data[name] for name in fields if name in data}
-    values.update(mask_token_id=dflash["mask_token_id"],
-                  target_layer_ids=dflash["target_layer_ids"],
-                  block_size=dflash["block_size"])
-    return DrafterConfig(**values)
+def shipped_sources():
+    """Export file name -> source file: the wrapper as dflash.py, then every module it imports
+    relatively, found by transformers' own rule for the files remote code needs."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    wrapper = Path(hf_model.__file__)
+    files = {MODELING_NAME: wrapper}
+    files.update((Path(source).name, Path(source)) for source in get_relative_import_files(str(wrapper)))
+    return files
 
 
-def export_drafter(drafter, out_dir, *, dtype=torch.bfloat16):
-    """Write config.json + model.safetensors into out_dir atomically (a temporary sibling
-    directory renamed into place; an existing out_dir is replaced)."""
+def export_drafter(drafter, out_dir, *, dtype=torch.bfloat16, overwrite=False, card=None):
+    """Write the Hugging Face drafter directory out_dir (see the module docstring); `card`: the
+    model card's facts (model_card.write_model_card). An existing out_dir is replaced only if it
+    is a previous export and overwrite is true; anything else there is an ExportExistsError and
+    is left untouched. Non-finite weights are a NonFiniteError: nothing is written."""
     if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"unsupported export dtype {dtype}")
+        raise ValueError(f"unsupported export dtype {dtype}; expected one of {list(_DTYPE_NAMES)}")
+    out_dir = Path(out_dir)
     cfg = drafter.config
     state = drafter.state_dict()
     _check_keys(set(state), set(expected_keys(cfg)), "drafter state_dict")
-    tensors = {name: t.detach().to(device="cpu", dtype=dtype).contiguous()
-               for name, t in state.items()}
+    check_finite(drafter, f"export to {out_dir}")
+    check_replaceable(out_dir, overwrite)  # before the work, and again before the rename
+    tensors = {name: t.detach().to(device="cpu", dtype=dtype).contiguous() for name, t in state.items()}
 
-    out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         save_file(tensors, str(tmp_dir / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp_dir / CONFIG_NAME).write_text(json.dumps(config_to_json(cfg, dtype), indent=2) + "\n")
-        if out_dir.exists():
-            old_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.replace(out_dir, old_dir / out_dir.name)
-            os.replace(tmp_dir, out_dir)
-            shutil.rmtree(old_dir)
-        else:
-            os.replace(tmp_dir, out_dir)
+        for name, source in shipped_sources().items():
+            shutil.copyfile(source, tmp_dir / name)
+        write_model_card(tmp_dir, card or {})
+        for path in tmp_dir.iterdir():
+            os.chmod(path, 0o644)
+        os.chmod(tmp_dir, 0o755)  # mkdtemp made it 0700: a server running as another user could not read it
+        _move_into_place(tmp_dir, out_dir, overwrite)
     finally:
         if tmp_dir.exists():
             shutil.rmtree(tmp_dir)
     return out_dir
+
+
+def check_replaceable(out_dir, overwrite):
+    """Raise ExportExistsError unless out_dir is absent, an empty directory, or a previous
+    export that overwrite allows to replace."""
+    out_dir = Path(out_dir)
+    if not (out_dir.exists() or out_dir.is_symlink()):
+        return
+    if out_dir.is_dir() and not out_dir.is_symlink() and not any(out_dir.iterdir()):
+        return  # an empty directory holds nothing to lose
+    reason = _not_an_export(out_dir)
+    if reason:
+        raise ExportExistsError(f"{out_dir} exists and is not a DFlash export ({reason}); it is left "
+                                f"untouched: choose an output path that does not exist")
+    if not overwrite:
+        raise ExportExistsError(f"{out_dir} holds a previous DFlash export; to replace it, ask for it "
+                                f"(launcher.export --overwrite, export_drafter(..., overwrite=True)) "
+                                f"or choose another output path")
+
+
+def _not_an_export(path):
+    """Why `path` is not a directory export_drafter wrote ("" when it is one)."""
+    if path.is_symlink():
+        return "a symbolic link"
+    if not path.is_dir():
+        return "not a directory"
+    export_files = {CONFIG_NAME, WEIGHTS_NAME, CARD_NAME}
+    foreign = sorted(p.name for p in path.iterdir()
+                     if not p.is_file() or p.is_symlink() or not (p.name in export_files or p.suffix == ".py"))
+    if foreign:
+        return f"it holds {', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}, which an export never writes"
+    try:
+        architectures = json.loads((path / CONFIG_NAME).read_text()).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        return f"no readable {CONFIG_NAME}"
+    if architectures != ARCHITECTURES:
+        return f"its {CONFIG_NAME} describes {architectures}, not {ARCHITECTURES}"
+    return ""
+
+
+def _move_into_place(tmp_dir, out_dir, overwrite):
+    if not (out_dir.exists() or out_dir.is_symlink()):
+        os.replace(tmp_dir, out_dir)
+        return
+    check_replaceable(out_dir, overwrite)
+    # Renames within one directory: the previous export moves aside, the new one takes its
+    # place, and only then is the old one deleted; if the second rename fails it goes back.
+    aside = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+    try:
+        os.replace(out_dir, aside / out_dir.name)
+    except BaseException:
+        aside.rmdir()
+        raise
+    try:
+        os.replace(tmp_dir, out_dir)
+    except BaseException:
+        os.replace(aside / out_dir.name, out_dir)
+        aside.rmdir()
+        raise
+    shutil.rmtree(aside)
 
 
 def _check_keys(found, expected, where):
@@ -119,9 +204,9 @@ def _check_keys(found, expected, where):
 def load_exported(path, *, device=None, dtype=torch.float32):
     """Load an exported drafter; any missing or unexpected tensor name is an error."""
     path = Path(path)
-    cfg = config_from_json(json.loads((path / CONFIG_NAME).read_text()))
+    cfg = drafter_config_from_dict(json.loads((path / CONFIG_NAME).read_text()))
     with safe_open(str(path / WEIGHTS_NAME), framework="pt") as f:
-        state = {name: f.get_tensor(name) for name in f.keys()}
+        state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (a safe_open handle is not a dict)
     _check_keys(set(state), set(expected_keys(cfg)), str(path / WEIGHTS_NAME))
     with torch.device("meta"):  # skip the random init: every tensor comes from the file
         drafter = DFlashDrafter(cfg)

@@ -22,6 +22,7 @@ class Context:
     start_step: int             # first optimiser step this run executes
     resume_from: Path | None    # checkpoint it restores, if any
     isolation: Isolation
+    provenance: dict            # command, code and library versions, hosts, rank layout
 
     @property
     def cfg(self):

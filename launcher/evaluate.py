@@ -13,6 +13,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from dflash_core.export import CONFIG_NAME
+from dflash_core.model_card import record_acceptance_length
 from launcher.config import ConfigError, compose_config, require
 from launcher.resolve import compute_dtype, dataset_paths, ensure_embedded_target, resolve_device, target_dir
 
@@ -26,8 +28,10 @@ Examples:
 
 def load_drafter(path, *, device=None, dtype=None):
     """A DFlashDrafter from an exported HF directory (config.json) or a training checkpoint
-    directory (meta.json + state.pt), in eval mode."""
+    directory (meta.json + state.pt), in eval mode. Non-finite weights (a diverged run) are refused:
+    they would "draft" nothing and report a meaningless acceptance length."""
     from dflash_core.export import CONFIG_NAME, load_exported
+    from dflash_core.finite import check_finite
     from dflash_core.model import DFlashDrafter, DrafterConfig
     from launcher.run_io import checkpoint
 
@@ -41,6 +45,7 @@ def load_drafter(path, *, device=None, dtype=None):
     else:
         raise ConfigError(f"evaluate.drafter={str(path)!r}: neither an exported drafter (no {CONFIG_NAME}) "
                           f"nor a checkpoint directory (no meta.json)")
+    check_finite(drafter, f"evaluate.drafter={str(path)!r}")
     return drafter.to(device=device, dtype=dtype).eval()
 
 
@@ -153,6 +158,10 @@ def run(overrides: list[str]) -> int:
     output.write_text(json.dumps(summary, indent=2) + "\n")
     print(format_table(summary))
     print(f"wrote {output}")
+    if (Path(ev.drafter) / CONFIG_NAME).is_file() and summary["tau"] is not None:   # an export: its card says it
+        record_acceptance_length(ev.drafter, summary["tau"], {
+            "prompts": summary["prompts"], "data": OmegaConf.to_container(ev.data) if OmegaConf.is_config(ev.data)
+            else ev.data, "max_new_tokens": ev.max_new_tokens, "lossless": summary["lossless"]})
     return 0
 
 

@@ -112,6 +112,22 @@ def answer(model, tokenizer, prompts: list[Prompt], gen_config, stop_ids: list[i
     return results
 
 
+# ----------------------------------------------------------------------------- output
+def check_output(cfg: DictConfig) -> None:
+    """Before any work: the output never replaces the input, and replaces an existing file only when
+    regenerate.overwrite asks for it."""
+    r = cfg.regenerate
+    output, source = Path(r.output).resolve(), input_path(cfg).resolve()
+    if output == source or (output.exists() and os.path.samefile(output, source)):
+        raise ConfigError(f"regenerate.output={r.output!r} is the input file {str(source)!r}: the answers would "
+                          f"replace the dataset they are read from; choose another output")
+    if output.is_dir():
+        raise ConfigError(f"regenerate.output={r.output!r} is a directory; give a .jsonl file path")
+    if output.exists() and not r.overwrite:
+        raise ConfigError(f"regenerate.output={r.output!r} already exists; set regenerate.overwrite=true to "
+                          f"replace it, or choose another output")
+
+
 # ----------------------------------------------------------------------------- part files
 def _fingerprint(cfg: DictConfig, world: int) -> str:
     settings = {key: OmegaConf.to_container(cfg.regenerate, resolve=True)[key] for key in _FINGERPRINT_KEYS}
@@ -168,6 +184,7 @@ def run(overrides: list[str]) -> int:
     setup_logging(tag, logging.INFO if rank == 0 else logging.WARNING)
     cfg = compose_config(overrides, config_name="regenerate")
     validate(cfg)
+    check_output(cfg)
     r = cfg.regenerate
 
     import torch
@@ -176,7 +193,7 @@ def run(overrides: list[str]) -> int:
 
     from dflash_core.data import load_tokenizer
 
-    device = resolve_device(r.device, "regenerate.device", int(os.environ.get("LOCAL_RANK", 0)))
+    device = resolve_device(r.device, "regenerate.device", int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # gloo for everything: the ranks exchange only a barrier and a few small objects.

@@ -33,7 +33,7 @@ def run(overrides: list[str]) -> int:
     import torch.distributed as dist
     from launcher.distributed.startup import start_process
     from launcher.run_io.metrics import MetricsSink
-    ctx = start_process(cfg, topo, env)
+    ctx = start_process(cfg, overrides, topo, env)
     sink = MetricsSink(ctx.run_dir, cfg, ctx.start_step) if env.rank == topo.lead_drafter else None
     if topo.role(env.rank) == "target":
         from launcher.roles.target import run_target

@@ -1,8 +1,29 @@
+"""Shared fixtures. The tiny target (a tokenizer and a Qwen3 pretrained briefly on the bundled chats)
+is built once and kept under .cache/test-tiny/<key>: the key hashes what determines its bytes (the
+builder's source, the bundled data, the seed, the library versions), so a change to any of them
+builds a fresh one and an unchanged tree reuses it across test sessions."""
+import hashlib
+from pathlib import Path
+
 import pytest
-from tests.fixtures_tiny import build_session_tiny_target
+import tokenizers
+import torch
+import transformers
+
+import dflash_core.tiny as tiny
+from tests.launching import REPO
+
+
+def _tiny_key(seed: int = 0) -> str:
+    digest = hashlib.sha256()
+    sources = [Path(tiny.__file__), tiny.BUNDLED_DATASET, *sorted((REPO / "dflash_core" / "data").glob("*.py"))]
+    for source in sources:
+        digest.update(source.read_bytes())
+    digest.update(f"{seed} {torch.__version__} {transformers.__version__} {tokenizers.__version__}".encode())
+    return digest.hexdigest()[:16]
 
 
 @pytest.fixture(scope="session")
-def tiny_target_dir(tmp_path_factory):
-    """Directory of the tiny locally built Qwen3 target (tokenizer + random weights)."""
-    return build_session_tiny_target(tmp_path_factory)
+def tiny_target_dir():
+    """Directory of the tiny locally built Qwen3 target (tokenizer + briefly pretrained weights)."""
+    return tiny.build_tiny_target(REPO / ".cache" / "test-tiny" / _tiny_key())

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -5,8 +6,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
-from dflash_core.export import export_drafter, load_exported
+from dflash_core import export as export_module
+from dflash_core.export import ExportExistsError, export_drafter, load_exported
+from dflash_core.finite import NonFiniteError
 from dflash_core.model import DFlashDrafter
+from launcher import export as export_cli
+from launcher.evaluate import load_drafter
+from launcher.run_io import checkpoint
 from tests.drafters import drafter_config
 
 
@@ -16,13 +22,16 @@ def drafter_to_export():
     return DFlashDrafter(cfg, seed=0)
 
 
-def drafter_output(drafter):
+def drafter_inputs():
+    """context_features, block_embeds, anchors, keep for drafter_to_export()."""
     gen = torch.Generator().manual_seed(1)
-    features = torch.randn(1, 12, 64, generator=gen)
-    embeds = torch.randn(1, 8, 32, generator=gen)
+    return (torch.randn(1, 12, 64, generator=gen), torch.randn(1, 8, 32, generator=gen),
+            torch.tensor([[2, 9]]), torch.tensor([[True, True]]))
+
+
+def drafter_output(drafter):
     with torch.no_grad():
-        return drafter(features, embeds, torch.tensor([[2, 9]]), torch.tensor([[True, True]]),
-                       backend="sdpa")
+        return drafter(*drafter_inputs(), backend="sdpa")
 
 
 def test_round_trip_gives_identical_outputs(tmp_path):
@@ -82,9 +91,124 @@ def test_loader_rejects_a_missing_key(tmp_path):
         load_exported(tmp_path / "out")
 
 
-def test_export_replaces_an_existing_export_and_leaves_no_temporaries(tmp_path):
+# ----------------------------------------------------------------------------- outputs never destroy data
+def snapshot(path):
+    """Every file under path (or path itself) with its bytes."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    return {str(p.relative_to(path.parent)): p.read_bytes() for p in files}
+
+
+def run_with_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    drafter = drafter_to_export()
+    state = {"step": 3, "model": drafter.state_dict(), "drafter_config": dataclasses.asdict(drafter.config)}
+    ckpt = checkpoint.save(run / "checkpoints", 3, state, keep=2)
+    (run / "config.yaml").write_text("target:\n  path: /models/tiny\ndata:\n  paths: [a.jsonl]\n")
+    (run / "metrics.jsonl").write_text('{"step": 3}\n')
+    return run, ckpt
+
+
+def test_cli_export_onto_the_run_dir_is_refused_and_the_run_dir_kept(tmp_path, capsys):
+    """Issue 17: `launcher.export <ckpt> --out <run dir>` deleted the whole run dir."""
+    run, ckpt = run_with_checkpoint(tmp_path)
+    before = snapshot(run)
+    for extra in ([], ["--overwrite"]):
+        with pytest.raises(SystemExit) as exit_info:
+            export_cli.main([str(ckpt), "--out", str(run), *extra])
+        assert exit_info.value.code == 1
+        assert f"{run} exists and is not a DFlash export (it holds checkpoints" in capsys.readouterr().err
+    assert snapshot(run) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no temporaries left
+
+
+def test_cli_export_replaces_its_own_export_only_with_overwrite(tmp_path, capsys):
+    _, ckpt = run_with_checkpoint(tmp_path)
+    out = tmp_path / "exported"
+    export_cli.main([str(ckpt), "--out", str(out)])
+    first = snapshot(out)
+    with pytest.raises(SystemExit):
+        export_cli.main([str(ckpt), "--out", str(out)])
+    assert "holds a previous DFlash export" in capsys.readouterr().err and snapshot(out) == first
+    export_cli.main([str(ckpt), "--out", str(out), "--overwrite"])
+    assert "--overwrite" in (out / "README.md").read_text()  # the card records the command
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exported", "run"]
+
+
+@pytest.mark.parametrize("kind", ["file", "model dir", "export plus a foreign file", "symlink to an export"])
+def test_export_never_replaces_what_is_not_an_export(tmp_path, kind):
+    """Issue 17: an existing file or directory at the output path was deleted."""
+    out = tmp_path / "out"
+    if kind == "file":
+        out.write_text("precious")
+    elif kind == "model dir":
+        out.mkdir()
+        (out / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
+        (out / "model.safetensors").write_bytes(b"weights")
+    else:
+        export_drafter(drafter_to_export(), tmp_path / "real")
+        if kind == "export plus a foreign file":
+            (tmp_path / "real" / "notes.txt").write_text("mine")
+        out.symlink_to(tmp_path / "real")
+    before = {p.name: snapshot(p) for p in tmp_path.iterdir()}
+    with pytest.raises(ExportExistsError, match=rf"{out} exists and is not a DFlash export"):
+        export_drafter(drafter_to_export(), out, overwrite=True)
+    assert {p.name: snapshot(p) for p in tmp_path.iterdir()} == before
+
+
+def test_previous_export_is_replaced_only_when_asked(tmp_path):
+    """The end-of-run export (run.dir/export) is written again on resume, with overwrite=True."""
     first, second = drafter_to_export(), DFlashDrafter(drafter_to_export().config, seed=7)
     export_drafter(first, tmp_path / "out", dtype=torch.float32)
-    export_drafter(second, tmp_path / "out", dtype=torch.float32)
+    with pytest.raises(ExportExistsError, match="holds a previous DFlash export; to replace it"):
+        export_drafter(second, tmp_path / "out", dtype=torch.float32)
+    assert torch.equal(load_exported(tmp_path / "out").fc.weight, first.fc.weight)
+    export_drafter(second, tmp_path / "out", dtype=torch.float32, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert torch.equal(load_exported(tmp_path / "out").fc.weight, second.fc.weight)
+
+
+def test_an_empty_directory_is_filled(tmp_path):
+    (tmp_path / "out").mkdir()
+    export_drafter(drafter_to_export(), tmp_path / "out")
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_a_failed_write_keeps_the_previous_export(tmp_path, monkeypatch):
+    export_drafter(drafter_to_export(), tmp_path / "out")
+    before = snapshot(tmp_path / "out")
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export_module, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        export_drafter(DFlashDrafter(drafter_to_export().config, seed=7), tmp_path / "out", overwrite=True)
+    assert snapshot(tmp_path / "out") == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+# ----------------------------------------------------------------------------- non-finite weights
+def diverged_drafter():
+    drafter = drafter_to_export()
+    with torch.no_grad():
+        drafter.layers[1].mlp.up_proj.weight[3, 5] = float("nan")
+    return drafter
+
+
+def test_export_refuses_non_finite_weights(tmp_path):
+    """Issue 17: optim.lr=1e4 gave an all-NaN export."""
+    with pytest.raises(NonFiniteError, match=r"parameter 'layers.1.mlp.up_proj.weight' holds 1 non-finite"):
+        export_drafter(diverged_drafter(), tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_evaluate_refuses_non_finite_weights(tmp_path):
+    """Issue 17: launcher.evaluate reported a NaN drafter as tau 1.0, "lossless"."""
+    export_drafter(drafter_to_export(), tmp_path / "export")
+    rewrite_weights(tmp_path / "export", lambda t: t["norm.weight"].fill_(float("inf")))
+    drafter = diverged_drafter()
+    state = {"step": 1, "model": drafter.state_dict(), "drafter_config": dataclasses.asdict(drafter.config)}
+    ckpt = checkpoint.save(tmp_path / "checkpoints", 1, state, keep=1)
+    for path, name in ((tmp_path / "export", "norm.weight"), (ckpt, "layers.1.mlp.up_proj.weight")):
+        with pytest.raises(NonFiniteError, match=rf"evaluate.drafter='{path}': parameter '{name}'"):
+            load_drafter(path)

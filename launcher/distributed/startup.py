@@ -18,6 +18,7 @@ from launcher.distributed.isolation import isolate
 from launcher.distributed.topology import Topology, build_groups
 from launcher.resolve import ensure_embedded_target, resolve, resolve_device
 from launcher.run_io import checkpoint
+from launcher.run_io.provenance import provenance, this_rank, write_provenance
 from launcher.run_io.rundir import default_run_dir, prepare_run_dir, setup_logging
 
 log = logging.getLogger("dflash")
@@ -90,7 +91,7 @@ def _resume_point(cfg: DictConfig, rank: int, lead: int, run_dir: Path, control)
     return box[0], (Path(box[1]) if box[1] else None)
 
 
-def start_process(cfg: DictConfig, topo: Topology, env: ProcessEnv) -> Context:
+def start_process(cfg: DictConfig, overrides: list[str], topo: Topology, env: ProcessEnv) -> Context:
     role, tag = topo.role(env.rank), f"{topo.role(env.rank)}{env.rank}"
     if env.world == env.local_world:
         # One host: gloo (the control plane, and the channel on CPU) must not pick an interface
@@ -107,8 +108,12 @@ def start_process(cfg: DictConfig, topo: Topology, env: ProcessEnv) -> Context:
     lead = env.rank == topo.lead_drafter
     setup_logging(tag, logging.INFO if lead else logging.WARNING, run_dir / "logs" / f"{tag}.log")
     _check_same_config(cfg, groups.control)
+    layout = [None] * env.world
+    dist.all_gather_object(layout, this_rank(env.rank, role, device), group=groups.control)
+    record = provenance(overrides, layout)
     if env.rank == 0:
         (run_dir / "config.yaml").write_text(config_yaml(cfg))
+        write_provenance(run_dir, record)
     iso = isolate(role, env.rank, env.local_world, Path(cfg.isolation.cache_root or run_dir / "compile_cache"),
                   device, cfg.isolation.recompile_limit, cfg.isolation.compile_threads)
     log.info("pid %d role %s rank %d/%d device %s backend %s threads %d compile cache %s", iso.pid, role, env.rank,
@@ -122,4 +127,4 @@ def start_process(cfg: DictConfig, topo: Topology, env: ProcessEnv) -> Context:
     if resume_from:
         log.warning("resuming at step %d from %s", start_step, resume_from)
     return Context(job, env.rank, groups, device if backend == "nccl" else torch.device("cpu"), run_dir,
-                   start_step, resume_from, iso)
+                   start_step, resume_from, iso, record)

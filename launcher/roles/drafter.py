@@ -16,6 +16,7 @@ from launcher.roles.trainer import DrafterTrainer
 from launcher.run_io import checkpoint
 from launcher.run_io.metrics import MetricsSink, RunStats
 from launcher.run_io.plots import plot_run
+from launcher.run_io.provenance import card_provenance
 from launcher.run_io.rundir import SeqLog
 
 log = logging.getLogger("dflash")
@@ -34,6 +35,15 @@ def _warm_up(ctx: Context, trainer: DrafterTrainer) -> float | None:
     return seconds
 
 
+def _card(ctx: Context, trainer: DrafterTrainer, last_eval: dict | None) -> dict:
+    """The export's model card facts."""
+    return {"target": str(ctx.job.target.path), "data": [str(p) for p in ctx.cfg.data.paths],
+            "steps": ctx.cfg.train.steps, "tokens_seen": trainer.tokens_seen,
+            "heldout_tau": last_eval["tau"] if last_eval else None,
+            "command": ctx.provenance["launcher_command"] or ctx.provenance["command"],
+            "provenance": card_provenance(ctx.provenance)}
+
+
 def run_drafter(ctx: Context, sink: MetricsSink | None) -> dict:
     """The drafter loop; `sink` is the lead drafter's metrics sink (None on the others)."""
     job, cfg, topo, sched = ctx.job, ctx.cfg, ctx.topo, ctx.job.schedule
@@ -46,7 +56,7 @@ def run_drafter(ctx: Context, sink: MetricsSink | None) -> dict:
     receiver = Receiver(sched.items_for_drafter(topo.drafter_index(ctx.rank), ctx.start_step), topo.unit_leader,
                         ctx.comm_device, ctx.device)
     seq_log, stats = SeqLog(ctx.run_dir, ctx.rank), RunStats()
-    bad_steps = 0
+    bad_steps, last_eval = 0, None
     for step in range(ctx.start_step, cfg.train.steps):
         maybe_fail(cfg.fault, ctx.rank, step)
         t0 = time.perf_counter()
@@ -78,6 +88,7 @@ def run_drafter(ctx: Context, sink: MetricsSink | None) -> dict:
                 seq_log.write("evaluated", p.item)
             if sink is not None:
                 sink.eval(step + 1, held_out)
+            last_eval = held_out
         done = step + 1
         if lead and (done == cfg.train.steps or (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0)):
             log.info("checkpoint %s", checkpoint.save(ctx.run_dir / "checkpoints", done, trainer.state(done),
@@ -87,7 +98,9 @@ def run_drafter(ctx: Context, sink: MetricsSink | None) -> dict:
     if lead:
         log.info("curves: %s", plot_run(ctx.run_dir))
         if cfg.run.export:
-            export_drafter(trainer.drafter, ctx.run_dir / "export")
+            # A resumed run re-writes its own previous export.
+            export_drafter(trainer.drafter, ctx.run_dir / "export", overwrite=True,
+                           card=_card(ctx, trainer, last_eval))
             log.info("exported the drafter to %s", ctx.run_dir / "export")
     return {**stats.result(), "items": len(receiver.received), "compiles": compile_count(), "compile_s": compile_s,
             "compile_report": report()}

@@ -54,6 +54,7 @@ class DrafterTrainer:
                                            weight_decay=o.weight_decay, fused=self.device.type == "cuda")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_multiplier(o, cfg.train.steps))
         self.step_kwargs = dataclasses.asdict(job.step)
+        self.tokens_seen = 0   # context tokens trained on by every drafter rank, over the whole lineage
 
     def autocast(self):
         if self.device.type == "cuda":
@@ -63,13 +64,14 @@ class DrafterTrainer:
     def state(self, step: int) -> dict:
         return {"step": step, "model": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "rng": checkpoint.rng_state(),
-                "drafter_config": dataclasses.asdict(self.dcfg)}
+                "drafter_config": dataclasses.asdict(self.dcfg), "tokens_seen": self.tokens_seen}
 
     def load_state(self, state: dict) -> None:
         self.drafter.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         checkpoint.set_rng_state(state["rng"])
+        self.tokens_seen = state.get("tokens_seen", 0)
 
     def train_step(self, batches: list[FeatureBatch]) -> StepResult:
         """One optimiser step over this rank's micro-batches. A non-finite global loss or gradient
@@ -85,6 +87,7 @@ class DrafterTrainer:
             counts = counts + out.counts
             counts.tokens = counts.tokens + batch.num_tokens
         counts = counts.all_reduce(self.group)
+        self.tokens_seen += int(counts.tokens.item())
         # DDP averaged the gradients of the unnormalised loss sums over the D ranks: rescale so the
         # step optimises (global weighted CE sum) / (global weight sum).
         scale = dist.get_world_size(self.group) / max(counts.weight_sum.item(), 1e-9)

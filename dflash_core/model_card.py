@@ -1,0 +1,168 @@
+"""The export's README.md model card: what the drafter was trained for and on, how well it drafts,
+and how to serve it.
+
+The facts arrive as a plain dict (the launcher gathers them; keys below). They are also kept,
+as one line of JSON, in the card's YAML front matter under `dflash_training`, so that a later
+evaluation can add the real acceptance length and render the card again without losing them.
+"""
+
+import json
+import os
+import shlex
+from pathlib import Path
+
+CARD_NAME = "README.md"
+_INFO_KEY = "dflash_training"
+
+# The training facts a card shows, in this order. Keys of the info dict not named here (and not
+# "provenance" or "acceptance_eval") are shown after them under their own names.
+FIELDS = {
+    "target": "Target model",
+    "data": "Training data",
+    "steps": "Optimiser steps",
+    "tokens_seen": "Training tokens seen",
+    "heldout_tau": "Held-out tau (acceptance length simulated on held-out data during training)",
+    "acceptance_length": "Acceptance length (real speculative decoding, launcher.evaluate)",
+    "command": "Command",
+}
+PROVENANCE = "provenance"          # dict: code version, torch / transformers / CUDA / NCCL versions, ...
+ACCEPTANCE_EVAL = "acceptance_eval"  # dict: how acceptance_length was measured (prompts, data, ...)
+
+
+def write_model_card(out_dir, info):
+    """Write (or replace, atomically) out_dir/README.md from `info`, a plain JSON-able dict with
+    any of: target, data (list of files), steps, tokens_seen, heldout_tau, acceptance_length,
+    acceptance_eval (dict), command (str or argv list), provenance (dict). The architecture
+    comes from out_dir/config.json when it is there."""
+    out_dir = Path(out_dir)
+    config_path = out_dir / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    _write_atomically(out_dir / CARD_NAME, render_model_card(info, config))
+
+
+def read_card_info(out_dir):
+    """The info dict a card was written from ({} when there is no card, or not one of ours)."""
+    path = Path(out_dir) / CARD_NAME
+    if not path.is_file():
+        return {}
+    front_matter = path.read_text(encoding="utf-8").split("\n---\n", 1)[0]
+    prefix = f"{_INFO_KEY}: "
+    for line in front_matter.splitlines():
+        if line.startswith(prefix):
+            return json.loads(line[len(prefix):])
+    return {}
+
+
+def record_acceptance_length(out_dir, acceptance_length, details=None):
+    """Add the real acceptance length (mean accepted + 1 per verify step, from speculative
+    decoding with the target) to an existing export's card, keeping everything else it says.
+    `details`: how it was measured, e.g. {"prompts": 64, "data": [...], "max_new_tokens": 256}."""
+    info = read_card_info(out_dir)
+    info["acceptance_length"] = acceptance_length
+    info[ACCEPTANCE_EVAL] = dict(details or {})
+    write_model_card(out_dir, info)
+
+
+def render_model_card(info, config):
+    target = info.get("target")
+    # One line of JSON is also valid YAML: the Hub's card parser and read_card_info both read it.
+    front_matter = ["---", "library_name: transformers", "tags:", "- dflash", "- speculative-decoding",
+                    f"{_INFO_KEY}: {json.dumps(info, sort_keys=True, default=str)}", "---", ""]
+    title = f"# DFlash drafter for {target}" if target else "# DFlash drafter"
+    intro = ("A DFlash block-diffusion draft model for speculative decoding, trained with dflash-launcher. "
+             "It drafts a block of tokens in one forward pass from the target's hidden states; it has no "
+             "embedding and no LM head of its own (it uses the target's).")
+    extra = {k: v for k, v in info.items() if k not in FIELDS and k not in (PROVENANCE, ACCEPTANCE_EVAL)}
+    training = [(label, _training_value(key, info)) for key, label in FIELDS.items()]
+    training += [(key, _format(value)) for key, value in sorted(extra.items())]
+    provenance = [(key, _format(value)) for key, value in sorted((info.get(PROVENANCE) or {}).items())]
+    lines = [*front_matter, title, "", intro, "", "## Training", "", *_table(training), ""]
+    if config:
+        lines += ["## Architecture (config.json)", "", *_table(_architecture(config)), ""]
+    lines += ["## Provenance", "", *(_table(provenance) if provenance else ["not recorded"]), ""]
+    lines += _usage(target, config.get("block_size"))
+    return "\n".join(lines) + "\n"
+
+
+def _training_value(key, info):
+    value = info.get(key)
+    if key == "acceptance_length" and value is None:
+        return "not measured yet (`python -m launcher.evaluate evaluate.drafter=<this directory>`)"
+    if key == "acceptance_length" and info.get(ACCEPTANCE_EVAL):
+        how = ", ".join(f"{k} {_format(v)}" for k, v in sorted(info[ACCEPTANCE_EVAL].items()))
+        return f"{_format(value)} ({how})"
+    if key == "command" and value:
+        command = shlex.join(str(arg) for arg in value) if isinstance(value, (list, tuple)) else value
+        return f"`{_cell(command)}`"
+    return _format(value)
+
+
+def _architecture(config):
+    dflash = config.get("dflash_config", {})
+    num_target_layers = config.get("num_target_layers")
+    return [
+        ("Drafter layers", _format(config.get("num_hidden_layers"))),
+        ("Block size", _format(dflash.get("block_size", config.get("block_size")))),
+        ("Target layers read (HF numbering)",
+         f"{_format(dflash.get('target_layer_ids'))} of {_format(num_target_layers)}"),
+        ("Mask token id", _format(dflash.get("mask_token_id"))),
+        ("Hidden size / heads / KV heads", " / ".join(_format(config.get(k)) for k in (
+            "hidden_size", "num_attention_heads", "num_key_value_heads"))),
+        ("Layer types", _format(config.get("layer_types"))),
+        ("Weights dtype", _format(config.get("torch_dtype"))),
+    ]
+
+
+def _usage(target, block_size):
+    model, block_size = target or "<target>", block_size or 16
+    vllm_config = {"method": "dflash", "model": "<this directory>", "num_speculative_tokens": block_size - 1}
+    return [
+        "## Use", "",
+        "Serve it beside its target (this directory is the draft model):", "",
+        "```bash",
+        f"vllm serve {model} \\",
+        f"    --speculative-config '{json.dumps(vllm_config)}'",
+        f"python -m sglang.launch_server --model-path {model} \\",
+        "    --speculative-algorithm DFLASH --speculative-draft-model-path <this directory> \\",
+        f"    --speculative-num-draft-tokens {block_size}",
+        "```", "",
+        ("In Python, `AutoModel.from_pretrained(<this directory>, trust_remote_code=True)` returns the "
+         "drafter (`dflash.py` wraps the training code's `model.py`); its forward takes the target's "
+         "hidden states at the layers above, the target's embeddings of each block, the block anchors "
+         "and a keep mask, and returns block hidden states for the target's LM head."),
+    ]
+
+
+def _table(rows):
+    return ["| | |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows)]
+
+
+def _format(value):
+    if value is None:
+        return "not recorded"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(f"`{_cell(str(item))}`" for item in value) or "none"
+    if isinstance(value, dict):
+        return f"`{_cell(json.dumps(value, sort_keys=True, default=str))}`"
+    return _cell(str(value))
+
+
+def _cell(text):
+    """Text safe in a Markdown table cell: a "|" would end the cell, a newline the row."""
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _write_atomically(path, text):
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

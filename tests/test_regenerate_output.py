@@ -1,0 +1,70 @@
+"""`launcher.regenerate` never destroys data: output = input is refused, an existing output is
+replaced only with regenerate.overwrite=true (issue 17)."""
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_core.tiny import BUNDLED_DATASET
+from launcher.config import ConfigError, compose_config
+from launcher.regenerate import check_output
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_output_equal_to_the_input_is_refused_and_the_dataset_kept(tmp_path, tiny_target_dir):
+    """Issue 17: with output = input, 4 answers replaced a 60-record dataset."""
+    data = tmp_path / "chats.jsonl"
+    shutil.copy(BUNDLED_DATASET, data)
+    before = data.read_bytes()
+    # One rank, as torchrun would start it (without the agent's start-up cost).
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "launcher.regenerate", f"target.path={tiny_target_dir}",
+                           f"regenerate.input={data}", f"regenerate.output={tmp_path / '.' / 'chats.jsonl'}",
+                           "regenerate.limit=4", "regenerate.max_new_tokens=4", "regenerate.device=cpu"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 1
+    assert "is the input file" in proc.stderr and "choose another output" in proc.stderr
+    assert data.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl"]
+
+
+def _cfg(tmp_path, output, *overrides):
+    data = tmp_path / "chats.jsonl"
+    if not data.exists():
+        shutil.copy(BUNDLED_DATASET, data)
+    return compose_config([f"regenerate.input={data}", f"regenerate.output={output}", *overrides],
+                          config_name="regenerate")
+
+
+def test_a_link_to_the_input_is_the_input(tmp_path):
+    cfg = _cfg(tmp_path, tmp_path / "link.jsonl")
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "chats.jsonl")
+    with pytest.raises(ConfigError, match="is the input file"):
+        check_output(cfg)
+    os.link(tmp_path / "chats.jsonl", tmp_path / "hard.jsonl")
+    with pytest.raises(ConfigError, match="is the input file"):
+        check_output(_cfg(tmp_path, tmp_path / "hard.jsonl", "regenerate.overwrite=true"))
+
+
+def test_an_existing_output_is_replaced_only_with_overwrite(tmp_path):
+    output = tmp_path / "answers.jsonl"
+    check_output(_cfg(tmp_path, output))  # absent: fine
+    output.write_text('{"id": 1}\n')
+    with pytest.raises(ConfigError, match=r"answers.jsonl' already exists; set regenerate.overwrite=true"):
+        check_output(_cfg(tmp_path, output))
+    check_output(_cfg(tmp_path, output, "regenerate.overwrite=true"))
+    (tmp_path / "dir.jsonl").mkdir()
+    with pytest.raises(ConfigError, match="is a directory"):
+        check_output(_cfg(tmp_path, tmp_path / "dir.jsonl", "regenerate.overwrite=true"))
