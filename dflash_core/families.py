@@ -48,8 +48,8 @@ class Family:
 _EXPERTS_REPLICATED = ("mlp.experts", "mlp.gate", "mlp.router")
 _LINEAR_ATTENTION_KERNELS = (
     ("fla", "flash-linear-attention (the linear-attention layers' chunked gated delta rule)",
-     "eager PyTorch: a Python loop over 64-token chunks with fp32 triangular solves, several times "
-     "slower than the fused kernel on GPU"),
+     ("eager PyTorch: a Python loop over 64-token chunks with fp32 triangular solves, several times "
+      "slower than the fused kernel on GPU")),
     ("causal_conv1d", "causal-conv1d (the linear-attention layers' short convolution)",
      "a depthwise F.conv1d: small, a few percent of the layer"),
 )
@@ -129,8 +129,11 @@ def decoder_of(model: nn.Module, *, source: str) -> nn.Module:
 
 def drafter_intermediate_size(config) -> int:
     """The target's dense FFN width; expert-only families (no dense FFN) get 3x the hidden size,
-    the ratio of the dense Qwen3 models (override with drafter.intermediate_size)."""
-    text, key = text_config(config), family_of(config).dense_intermediate_key
+    the ratio of the dense Qwen3 models (override with drafter.intermediate_size). Configs of no
+    known family (plain namespaces in tests) are read as dense."""
+    text = text_config(config)
+    family = _BY_MODEL_TYPE.get(getattr(text, "model_type", None))
+    key = family.dense_intermediate_key if family else "intermediate_size"
     return int(getattr(text, key)) if key else 3 * int(text.hidden_size)
 
 

@@ -17,8 +17,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .families import (TargetError, decoder_of, family_of, kernel_notes, num_layers_of, packing_supported,
-                       text_config, truncated_config)
+from .families import (
+    TargetError,
+    decoder_of,
+    family_of,
+    kernel_notes,
+    num_layers_of,
+    packing_supported,
+    text_config,
+    truncated_config,
+)
 from .packing import Documents, RecurrentRegrouping, block_diagonal_masks
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")

@@ -8,6 +8,7 @@ import torch
 from omegaconf import DictConfig
 from transformers import AutoConfig, AutoTokenizer
 
+from dflash_core.families import text_config
 from dflash_core.model import DrafterConfig
 from dflash_core.tiny import first_unused_token_id
 from launcher.config import ConfigError
@@ -20,9 +21,9 @@ _SHAPE_OVERRIDES = ("hidden_size", "intermediate_size", "layer_types", "sliding_
 def ensure_embedded_target(cfg: DictConfig, seed: int) -> None:
     """Build the embedded tiny target at target.path when the config asks for it and it is missing."""
     if cfg.target.build_tiny and not Path(cfg.target.path).is_dir():
-        from dflash_core.tiny import build_tiny_target
+        from dflash_core.tiny import DEFAULT_FAMILY, build_tiny_target
         logging.getLogger("dflash").warning("building the embedded tiny target at %s", cfg.target.path)
-        build_tiny_target(cfg.target.path, seed=seed)
+        build_tiny_target(cfg.target.path, seed=seed, family=cfg.target.get("tiny_family", DEFAULT_FAMILY))
 
 
 def target_dir(cfg: DictConfig) -> Path:
@@ -47,9 +48,9 @@ def drafter_config(cfg: DictConfig) -> DrafterConfig:
         mask_token_id = first_unused_token_id(AutoTokenizer.from_pretrained(tokenizer_dir(cfg)), hf_config)
     for key in ("max_length", "fixed_length"):
         length = cfg.data[key]
-        if length is not None and length > hf_config.max_position_embeddings:
+        if length is not None and length > text_config(hf_config).max_position_embeddings:
             raise ConfigError(f"data.{key}={length} exceeds the target's max_position_embeddings "
-                              f"({hf_config.max_position_embeddings})")
+                              f"({text_config(hf_config).max_position_embeddings})")
     ids = list(cfg.drafter.target_layer_ids) if cfg.drafter.target_layer_ids is not None else None
     overrides = {key: (list(value) if key == "layer_types" else value)
                  for key in _SHAPE_OVERRIDES if (value := cfg.drafter.get(key)) is not None}

@@ -73,7 +73,7 @@ def test_llama_style_targets_are_supported(tmp_path, input_ids):
 def test_other_architectures_are_a_clear_error(tmp_path):
     config = GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=2, n_positions=64, bos_token_id=0, eos_token_id=0)
     GPT2LMHeadModel(config).save_pretrained(tmp_path)
-    with pytest.raises(TargetError, match="unsupported architecture GPT2LMHeadModel"):
+    with pytest.raises(TargetError, match="unsupported target model_type 'gpt2'"):
         load_target(tmp_path, layer_ids=[0], device="cpu", dtype=torch.float32)
 
 
