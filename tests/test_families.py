@@ -5,6 +5,8 @@ config derived from the target, and a 2-rank tensor-parallel unit equal to the u
 This file is also the worker script of the tensor-parallel test (`__main__` below).
 """
 import contextlib
+import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -201,11 +203,43 @@ def test_composite_qwen3_5_checkpoint_loads_its_text_decoder(tmp_path):
     assert (drafter.hidden_size, drafter.vocab_size, drafter.num_target_layers) == (128, 1024, 4)
 
 
+@pytest.mark.parametrize("shape, family, layer_ids", [("qwen3.5-35b-a3b", "qwen3_5_moe", [1, 10, 19, 28, 37]),
+                                                     ("llama3-8b", "llama", [1, 8, 15, 22, 29])])
+def test_real_shapes_build_their_family(shape, family, layer_ids):
+    from dflash_core.shapes import config_from_shape
+    from dflash_core.target import random_target
+    config = config_from_shape(shape)
+    assert family_of(config).name == family
+    drafter = DrafterConfig.from_target(config, num_layers=5, block_size=16, mask_token_id=config.vocab_size - 1)
+    assert drafter.target_layer_ids == layer_ids
+    target = random_target(config, layer_ids=[1], device="meta", dtype=torch.bfloat16)  # shapes only, no memory
+    assert target.num_kept_layers == 2 and target.num_layers == config.num_hidden_layers
+    with pytest.raises(KeyError, match="unknown target shape 'qwen9'"):
+        config_from_shape("qwen9")
+
+
 def test_unsupported_family_is_named(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
     GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=2, n_positions=64)).save_pretrained(tmp_path)
     with pytest.raises(TargetError, match="unsupported target model_type 'gpt2'.*qwen3_5_moe"):
         load_target(tmp_path, layer_ids=[0], dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------- launches
+@pytest.mark.multiproc
+@pytest.mark.parametrize("family", [family for family in FAMILIES if family != "qwen3"])  # qwen3: test_launch
+def test_twenty_steps_train_on_each_family(tmp_path, family):
+    """`target=tiny_<family>` builds its target on first use and the real launcher trains on it."""
+    from tests.launching import torchrun
+    run_dir, target_dir = tmp_path / "run", tmp_path / "target"
+    proc = torchrun(3, "topology=t1d2", f"target=tiny_{family}", f"target.path={target_dir}", "train.steps=20",
+                    "train.eval_every=0", "optim.lr=3e-3", f"run.dir={run_dir}", f"data.cache_dir={tmp_path / 'tok'}",
+                    "run.progress=false")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads((target_dir / "tiny_build.json").read_text())["family"] == family
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 20
+    assert math.isfinite(summary["first_loss"]) and summary["last_loss"] < summary["first_loss"], summary
 
 
 # ----------------------------------------------------------------------------- tensor parallel
