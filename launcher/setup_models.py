@@ -13,7 +13,6 @@ from dflash_core.model import DrafterConfig
 from dflash_core.tiny import first_unused_token_id
 from launcher.config import ConfigError
 
-
 # Drafter shape keys that default to the target's (null in conf/drafter/*.yaml).
 _SHAPE_OVERRIDES = ("hidden_size", "intermediate_size", "layer_types", "sliding_window")
 
