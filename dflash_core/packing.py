@@ -96,8 +96,9 @@ class RecurrentRegrouping:
         module.register_forward_hook(self._ungroup_output)
 
     @contextlib.contextmanager
-    def packed(self, documents: Documents):
-        self._documents = None if documents.one_per_row else documents
+    def packed(self, documents: Documents | None):
+        """Regroup per document inside this block (None, or one document per row: nothing to do)."""
+        self._documents = None if documents is None or documents.one_per_row else documents
         try:
             yield
         finally:

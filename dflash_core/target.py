@@ -91,10 +91,11 @@ class CapturingTarget:
         self._regrouping = RecurrentRegrouping()
         for layer_id in layer_ids:
             decoder.layers[layer_id].register_forward_hook(self._recorder(layer_id))
-        for layer in decoder.layers:
-            mixer = getattr(layer, self.family.recurrent_mixer or "", None)
-            if mixer is not None:
-                self._regrouping.attach(mixer)
+        if self.family.recurrent_mixer:
+            for layer in decoder.layers:  # in a hybrid stack only some layers have one
+                mixer = getattr(layer, self.family.recurrent_mixer, None)
+                if mixer is not None:
+                    self._regrouping.attach(mixer)
 
     def _recorder(self, layer_id: int):
         def record(module, args, output):
@@ -122,23 +123,16 @@ class CapturingTarget:
         document (trailing padding is a document of its own): each document is then captured
         exactly as if it were forwarded alone (see dflash_core.packing).
         """
-        documents, masks = None, None
-        if position_ids is not None:
-            if tuple(position_ids.shape) != tuple(input_ids.shape):
-                raise TargetError(f"position_ids shape {tuple(position_ids.shape)} differs from input_ids "
-                                  f"shape {tuple(input_ids.shape)}")
-            supported, reason = self.packing
-            if not supported:
-                raise TargetError(f"packed rows are not supported for this target: {reason}")
-            position_ids = position_ids.to(self.device)
-            documents = Documents(position_ids)
-            if not (self.family.mask_from_positions or documents.one_per_row):
-                masks = block_diagonal_masks(documents, self.decoder.config.layer_types,
-                                             getattr(self.decoder.config, "sliding_window", None), self.dtype, self.device)
+        documents = self._documents(input_ids, position_ids) if position_ids is not None else None
+        masks = None
+        if documents is not None and not (self.family.mask_from_positions or documents.one_per_row):
+            masks = block_diagonal_masks(documents, self.decoder.config.layer_types,
+                                         getattr(self.decoder.config, "sliding_window", None), self.dtype, self.device)
         try:
-            with torch.inference_mode(), (self._regrouping.packed(documents) if documents else contextlib.nullcontext()):
+            with torch.inference_mode(), self._regrouping.packed(documents):
                 output = self.decoder(input_ids=input_ids.to(self.device), attention_mask=masks,
-                                      position_ids=position_ids, use_cache=False)
+                                      position_ids=None if documents is None else position_ids.to(self.device),
+                                      use_cache=False)
             if self._final_layer_id in self._captured:  # HF reports the last layer after the norm
                 self._captured[self._final_layer_id] = output.last_hidden_state
             # Concatenated outside inference mode, so the result is an ordinary tensor that the
@@ -146,6 +140,15 @@ class CapturingTarget:
             return torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
         finally:
             self._captured.clear()
+
+    def _documents(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> Documents:
+        if tuple(position_ids.shape) != tuple(input_ids.shape):
+            raise TargetError(f"position_ids shape {tuple(position_ids.shape)} differs from input_ids "
+                              f"shape {tuple(input_ids.shape)}")
+        supported, reason = self.packing
+        if not supported:
+            raise TargetError(f"packed rows are not supported for this target: {reason}")
+        return Documents(position_ids.to(self.device))
 
 
 def load_target(path, *, layer_ids, device="cpu", dtype=torch.bfloat16,
