@@ -48,10 +48,10 @@ class Family:
 _EXPERTS_REPLICATED = ("mlp.experts", "mlp.gate", "mlp.router")
 _LINEAR_ATTENTION_KERNELS = (
     ("fla", "flash-linear-attention (the linear-attention layers' chunked gated delta rule)",
-     ("eager PyTorch: a Python loop over 64-token chunks with fp32 triangular solves, several times "
-      "slower than the fused kernel on GPU")),
+     ("eager PyTorch: a Python loop over 64-token chunks with fp32 triangular solves instead of one "
+      "fused Triton kernel (GPU only; `python -m launcher.bench` measures the target row)")),
     ("causal_conv1d", "causal-conv1d (the linear-attention layers' short convolution)",
-     "a depthwise F.conv1d: small, a few percent of the layer"),
+     "a plain depthwise F.conv1d instead of the fused CUDA kernel"),
 )
 _ATTENTION_PLAN = (("self_attn.q_proj", "colwise"), ("self_attn.k_proj", "colwise"),
                    ("self_attn.v_proj", "colwise"), ("self_attn.o_proj", "rowwise"))
