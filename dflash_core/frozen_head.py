@@ -2,17 +2,19 @@
 
 Held as non-persistent buffers: never trained, never in gradient sync, never in the
 drafter's (or anybody's) state_dict. Only these two tensors are read from the target
-checkpoint."""
+checkpoint, under the names every supported family uses (dflash_core.families): text-only
+checkpoints keep the decoder under `model.`, composite multimodal ones (Qwen3.5/3.6) under
+`model.language_model.`; the LM head is `lm_head.weight` in both."""
 
 import json
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
+from torch import nn
 
-EMBED_KEY = "model.embed_tokens.weight"
+EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
 LM_HEAD_KEY = "lm_head.weight"
 
 
@@ -25,7 +27,7 @@ def _tensor_files(target_dir):
     single = target_dir / "model.safetensors"
     if single.is_file():
         with safe_open(single, framework="pt") as f:
-            return {name: single for name in f.keys()}
+            return dict.fromkeys(f.keys(), single)
     raise FileNotFoundError(f"{target_dir} has no model.safetensors or "
                             f"model.safetensors.index.json")
 
@@ -56,14 +58,16 @@ class FrozenTargetHead(nn.Module):
     def from_target_dir(cls, path, *, device=None, dtype=None):
         target_dir = Path(path)
         files = _tensor_files(target_dir)
-        if EMBED_KEY not in files:
-            raise KeyError(f"{target_dir}: no {EMBED_KEY} among {len(files)} tensors")
+        embed_key = next((key for key in EMBED_KEYS if key in files), None)
+        if embed_key is None:
+            raise KeyError(f"{target_dir}: none of {EMBED_KEYS} among {len(files)} tensors")
         config_file = target_dir / "config.json"
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-        tied = config.get("tie_word_embeddings", LM_HEAD_KEY not in files)
+        tied = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings",
+                                                                                   LM_HEAD_KEY not in files))
         if not tied and LM_HEAD_KEY not in files:
             raise KeyError(f"{target_dir}: no {LM_HEAD_KEY} and tie_word_embeddings is false")
-        embed = _read(files, EMBED_KEY).to(device=device, dtype=dtype)
+        embed = _read(files, embed_key).to(device=device, dtype=dtype)
         lm_head = embed if tied else _read(files, LM_HEAD_KEY).to(device=device, dtype=dtype)
         return cls(embed, lm_head)
 

@@ -17,11 +17,27 @@ from .compile import compiled_function
 
 
 def default_target_layer_ids(num_target_layers, num_layers):
-    """Evenly spread target layers (HF numbering: feature i is hidden_states[i + 1]).
-    Qwen3-8B (36 layers), 5 drafter layers -> [1, 9, 17, 25, 33]."""
-    if num_layers == 1:
-        return [num_target_layers // 2]
-    return [round(1 + i * (num_target_layers - 4) / (num_layers - 1)) for i in range(num_layers)]
+    """Evenly spread target layers (HF numbering: feature i is hidden_states[i + 1]) over
+    1..N_t-3, the spec's range: Qwen3-8B (36 layers), 5 drafter layers -> [1, 9, 17, 25, 33].
+    Never the last layer (see check_serving_layer_ids). Targets too shallow for distinct ids in
+    that range spread over 0..N_t-2 instead (4 layers, 2 drafter layers -> [0, 2])."""
+    last_usable = num_target_layers - 2
+    if num_layers == 1 and last_usable >= 0:
+        return [min(num_target_layers // 2, last_usable)]
+    first, last = (1, num_target_layers - 3) if num_target_layers - 3 >= num_layers else (0, last_usable)
+    if last - first + 1 < num_layers:
+        raise ValueError(f"a {num_target_layers}-layer target has only {max(last_usable + 1, 0)} layers before its "
+                         f"last one: too few for {num_layers} distinct target_layer_ids")
+    return [round(first + i * (last - first) / (num_layers - 1)) for i in range(num_layers)]
+
+
+def check_serving_layer_ids(target_layer_ids, num_target_layers):
+    """Serving engines (vLLM, SGLang) capture feature i as the *input* of target layer i + 1, so
+    the target's last layer has no such input and cannot be a target layer id."""
+    if num_target_layers - 1 in target_layer_ids:
+        raise ValueError(f"target_layer_ids {list(target_layer_ids)} include the target's last layer "
+                         f"{num_target_layers - 1}: the target has {num_target_layers} layers and serving engines "
+                         f"read feature i at the input of layer i + 1; use ids up to {num_target_layers - 2}")
 
 
 @dataclass
@@ -81,33 +97,36 @@ class DrafterConfig:
     @classmethod
     def from_target(cls, hf_config, *, num_layers, block_size, mask_token_id,
                     target_layer_ids=None, **overrides):
-        """Copy width, heads, RoPE and vocabulary from the target's HF config."""
-        num_target_layers = hf_config.num_hidden_layers
+        """Copy width, heads, RoPE and vocabulary from the target's HF config (its text part for a
+        composite multimodal config; dflash_core.families says where each family keeps them)."""
+        from .families import drafter_intermediate_size, text_config
+
+        text = text_config(hf_config)
+        num_target_layers = text.num_hidden_layers
         if target_layer_ids is None:
             target_layer_ids = default_target_layer_ids(num_target_layers, num_layers)
-        hidden_size = overrides.pop("hidden_size", hf_config.hidden_size)
-        if hidden_size != hf_config.hidden_size:
+        check_serving_layer_ids(target_layer_ids, num_target_layers)
+        hidden_size = overrides.pop("hidden_size", text.hidden_size)
+        if hidden_size != text.hidden_size:
             raise ValueError(f"drafter hidden size {hidden_size} must equal the target's hidden "
-                             f"size {hf_config.hidden_size}")
-        fields = dict(
-            hidden_size=hidden_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=hf_config.num_attention_heads,
-            num_key_value_heads=getattr(hf_config, "num_key_value_heads", None)
-            or hf_config.num_attention_heads,
-            head_dim=getattr(hf_config, "head_dim", None)
-            or hf_config.hidden_size // hf_config.num_attention_heads,
-            intermediate_size=hf_config.intermediate_size,
-            vocab_size=hf_config.vocab_size,
-            block_size=block_size,
-            target_layer_ids=target_layer_ids,
-            num_target_layers=num_target_layers,
-            mask_token_id=mask_token_id,
-            rms_norm_eps=hf_config.rms_norm_eps,
-            rope_theta=_rope_theta(hf_config),
-            max_position_embeddings=hf_config.max_position_embeddings,
-            attention_bias=getattr(hf_config, "attention_bias", False),
-        )
+                             f"size {text.hidden_size}")
+        fields = {
+            "hidden_size": hidden_size,
+            "num_hidden_layers": num_layers,
+            "num_attention_heads": text.num_attention_heads,
+            "num_key_value_heads": getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+            "head_dim": getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+            "intermediate_size": drafter_intermediate_size(hf_config),
+            "vocab_size": text.vocab_size,
+            "block_size": block_size,
+            "target_layer_ids": target_layer_ids,
+            "num_target_layers": num_target_layers,
+            "mask_token_id": mask_token_id,
+            "rms_norm_eps": text.rms_norm_eps,
+            "rope_theta": _rope_theta(text),
+            "max_position_embeddings": text.max_position_embeddings,
+            "attention_bias": getattr(text, "attention_bias", False),
+        }
         fields.update(overrides)
         return cls(**fields)
 

@@ -10,7 +10,6 @@ layer) is reported *after* the final norm, so the norm is kept when that layer i
 from __future__ import annotations
 
 import contextlib
-import copy
 import importlib.util
 import logging
 from pathlib import Path
@@ -18,11 +17,21 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .families import (
+    TargetError,
+    decoder_of,
+    family_of,
+    kernel_notes,
+    num_layers_of,
+    packing_supported,
+    text_config,
+    truncated_config,
+)
+from .packing import Documents, RecurrentRegrouping, block_diagonal_masks
+
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
-
-
-class TargetError(ValueError):
-    """A target checkpoint or layer selection that cannot be used; the message says why."""
+__all__ = ["CapturingTarget", "TargetError", "load_target", "random_target"]
+log = logging.getLogger("dflash")
 
 
 def _check_checkpoint_dir(path: Path) -> None:
@@ -45,19 +54,6 @@ def _check_layer_ids(layer_ids, num_layers: int) -> list[int]:
             raise TargetError(f"target layer id {layer_id} is out of range: the target has {num_layers} "
                               f"decoder layers (valid ids 0..{num_layers - 1})")
     return layer_ids
-
-
-def _config_truncated_to(config, num_layers: int):
-    """A copy of config describing only the first num_layers decoder layers.
-
-    Decoder forwards iterate `layers[: config.num_hidden_layers]` and index `layer_types`,
-    so both must match the truncated stack.
-    """
-    truncated = copy.deepcopy(config)
-    truncated.num_hidden_layers = num_layers
-    if getattr(truncated, "layer_types", None) is not None:
-        truncated.layer_types = list(truncated.layer_types[:num_layers])
-    return truncated
 
 
 class _DropLoadReport(logging.Filter):
@@ -84,14 +80,22 @@ class CapturingTarget:
 
     def __init__(self, decoder: nn.Module, config, layer_ids: list[int]):
         self.decoder = decoder
-        self.config = config  # the full target's config, before truncation
+        self.config = config  # the full target's config (composite or text-only), before truncation
+        self.family = family_of(config)
         self.layer_ids = layer_ids
-        self.num_layers = config.num_hidden_layers  # N_t of the full target
-        self.hidden_size = config.hidden_size
+        self.num_layers = num_layers_of(config)  # N_t of the full target
+        self.hidden_size = text_config(config).hidden_size
+        self.packing = packing_supported(decoder.config)
         self._captured: dict[int, torch.Tensor] = {}
         self._final_layer_id = self.num_layers - 1
+        self._regrouping = RecurrentRegrouping()
         for layer_id in layer_ids:
             decoder.layers[layer_id].register_forward_hook(self._recorder(layer_id))
+        if self.family.recurrent_mixer:
+            for layer in decoder.layers:  # in a hybrid stack only some layers have one
+                mixer = getattr(layer, self.family.recurrent_mixer, None)
+                if mixer is not None:
+                    self._regrouping.attach(mixer)
 
     def _recorder(self, layer_id: int):
         def record(module, args, output):
@@ -111,15 +115,24 @@ class CapturingTarget:
     def num_kept_layers(self) -> int:
         return len(self.decoder.layers)
 
-    def capture(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def capture(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """[B, S] token ids -> [B, S, L*H] = cat(hidden_states[i + 1] for i in layer_ids).
 
-        No attention mask: batches are right-padded, so causal attention keeps real tokens
-        from ever seeing padding.
+        No attention mask: rows are right-padded, so causal attention keeps real tokens from
+        ever seeing padding. Packed rows pass `position_ids` [B, S] that restart at 0 at every
+        document (trailing padding is a document of its own): each document is then captured
+        exactly as if it were forwarded alone (see dflash_core.packing).
         """
+        documents = self._documents(input_ids, position_ids) if position_ids is not None else None
+        masks = None
+        if documents is not None and not (self.family.mask_from_positions or documents.one_per_row):
+            masks = block_diagonal_masks(documents, self.decoder.config.layer_types,
+                                         getattr(self.decoder.config, "sliding_window", None), self.dtype, self.device)
         try:
-            with torch.inference_mode():
-                output = self.decoder(input_ids=input_ids.to(self.device), use_cache=False)
+            with torch.inference_mode(), self._regrouping.packed(documents):
+                output = self.decoder(input_ids=input_ids.to(self.device), attention_mask=masks,
+                                      position_ids=None if documents is None else position_ids.to(self.device),
+                                      use_cache=False)
             if self._final_layer_id in self._captured:  # HF reports the last layer after the norm
                 self._captured[self._final_layer_id] = output.last_hidden_state
             # Concatenated outside inference mode, so the result is an ordinary tensor that the
@@ -128,23 +141,32 @@ class CapturingTarget:
         finally:
             self._captured.clear()
 
+    def _documents(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> Documents:
+        if tuple(position_ids.shape) != tuple(input_ids.shape):
+            raise TargetError(f"position_ids shape {tuple(position_ids.shape)} differs from input_ids "
+                              f"shape {tuple(input_ids.shape)}")
+        supported, reason = self.packing
+        if not supported:
+            raise TargetError(f"packed rows are not supported for this target: {reason}")
+        return Documents(position_ids.to(self.device))
+
 
 def load_target(path, *, layer_ids, device="cpu", dtype=torch.bfloat16,
                 attn_implementation: str | None = None) -> CapturingTarget:
-    """Load a Hugging Face causal LM (Qwen3 family or Llama-style) as a frozen feature extractor.
+    """Load a Hugging Face causal LM of a supported family (dflash_core.families) as a frozen
+    feature extractor.
 
     Only decoder layers 0..max(layer_ids) are built and loaded; the final norm is dropped
-    unless the last layer is captured, and the LM head is released after loading.
+    unless the last layer is captured, and the LM head is released after loading. A composite
+    (multimodal) checkpoint loads its text decoder only.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
     _check_checkpoint_dir(path)
     config = AutoConfig.from_pretrained(path)
-    if not hasattr(config, "num_hidden_layers"):
-        raise TargetError(f"{path}: config of type {config.model_type!r} has no num_hidden_layers; "
-                          f"only text decoder models (Qwen3, Llama-style) are supported")
-    layer_ids = _check_layer_ids(layer_ids, config.num_hidden_layers)
+    family_of(config)  # an unsupported family fails here, before any weight is read
+    layer_ids = _check_layer_ids(layer_ids, num_layers_of(config))
     kept = max(layer_ids) + 1
 
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
@@ -154,7 +176,7 @@ def load_target(path, *, layer_ids, device="cpu", dtype=torch.bfloat16,
         extra["device_map"] = str(torch.device(device))
     with _without_load_report():
         model, info = AutoModelForCausalLM.from_pretrained(
-            path, config=_config_truncated_to(config, kept), dtype=dtype, output_loading_info=True, **extra)
+            path, config=truncated_config(config, kept), dtype=dtype, output_loading_info=True, **extra)
     if info["missing_keys"]:
         raise TargetError(f"{path}: the checkpoint lacks weights the model needs: {sorted(info['missing_keys'])[:8]}")
 
@@ -166,19 +188,19 @@ def random_target(config, *, layer_ids, device="cpu", dtype=torch.bfloat16, seed
     for benchmarks, whose speed does not depend on weight values."""
     from transformers import AutoModelForCausalLM
 
-    layer_ids = _check_layer_ids(layer_ids, config.num_hidden_layers)
+    family_of(config)
+    layer_ids = _check_layer_ids(layer_ids, num_layers_of(config))
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(_config_truncated_to(config, max(layer_ids) + 1), dtype=dtype)
+        model = AutoModelForCausalLM.from_config(truncated_config(config, max(layer_ids) + 1), dtype=dtype)
     return _capturing(model, config, layer_ids, device, source=f"random {config.model_type}")
 
 
 def _capturing(model, config, layer_ids: list[int], device, *, source: str) -> CapturingTarget:
-    decoder = getattr(model, "model", None)
-    if not isinstance(getattr(decoder, "layers", None), nn.ModuleList):
-        raise TargetError(f"{source}: unsupported architecture {type(model).__name__}; expected decoder layers "
-                          f"at model.model.layers (Qwen3, Qwen2, Llama, Mistral)")
-    if max(layer_ids) + 1 < config.num_hidden_layers:
+    decoder = decoder_of(model, source=source)
+    if max(layer_ids) + 1 < num_layers_of(config):
         decoder.norm = nn.Identity()  # the truncated stack's output is a raw layer output, never normed
     decoder.requires_grad_(False).eval().to(device)
+    for note in kernel_notes(decoder.config):
+        log.warning("target %s: %s", source, note)
     return CapturingTarget(decoder, config, layer_ids)

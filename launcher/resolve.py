@@ -15,6 +15,7 @@ import torch
 from omegaconf import DictConfig
 
 from dflash_core.attention import resolve_backend
+from dflash_core.families import text_config
 from dflash_core.model import DrafterConfig
 from dflash_core.objective import default_gamma
 from dflash_core.tiny import BUNDLED_DATASET, first_unused_token_id
@@ -43,7 +44,7 @@ class TargetPlan:
 
     @property
     def feature_width(self) -> int:
-        return self.hf_config.hidden_size * len(self.layer_ids)
+        return text_config(self.hf_config).hidden_size * len(self.layer_ids)
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,8 @@ def ensure_embedded_target(cfg: DictConfig, seed: int) -> None:
     """Build the embedded tiny target at target.path when the config asks for it and it is missing."""
     if cfg.target.build_tiny and not Path(cfg.target.path).is_dir():
         from dflash_core.tiny import build_tiny_target
-        log.warning("building the embedded tiny target at %s", cfg.target.path)
-        build_tiny_target(cfg.target.path, seed=seed)
+        log.warning("building the embedded tiny %s target at %s", cfg.target.tiny_family, cfg.target.path)
+        build_tiny_target(cfg.target.path, seed=seed, family=cfg.target.tiny_family)
 
 
 def target_dir(cfg: DictConfig) -> Path:
@@ -133,11 +134,11 @@ def drafter_config(cfg: DictConfig, hf_config) -> DrafterConfig:
     if mask_token_id == "auto":
         from transformers import AutoTokenizer
         mask_token_id = first_unused_token_id(AutoTokenizer.from_pretrained(tokenizer_dir(cfg)), hf_config)
+    max_positions = text_config(hf_config).max_position_embeddings
     for key in ("max_length", "fixed_length"):
         length = cfg.data[key]
-        if length is not None and length > hf_config.max_position_embeddings:
-            raise ConfigError(f"data.{key}={length} exceeds the target's max_position_embeddings "
-                              f"({hf_config.max_position_embeddings})")
+        if length is not None and length > max_positions:
+            raise ConfigError(f"data.{key}={length} exceeds the target's max_position_embeddings ({max_positions})")
     ids = list(cfg.drafter.target_layer_ids) if cfg.drafter.target_layer_ids is not None else None
     overrides = {key: (list(value) if key == "layer_types" else value)
                  for key in _SHAPE_OVERRIDES if (value := cfg.drafter.get(key)) is not None}

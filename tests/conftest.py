@@ -27,3 +27,13 @@ def _tiny_key(seed: int = 0) -> str:
 def tiny_target_dir():
     """Directory of the tiny locally built Qwen3 target (tokenizer + briefly pretrained weights)."""
     return tiny.build_tiny_target(REPO / ".cache" / "test-tiny" / _tiny_key())
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls: two intra-op threads only add contention when other jobs share the cores (the
+    linear-attention fallback's small triangular solves ran 50x slower with two threads on 2 busy cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

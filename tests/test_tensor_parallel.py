@@ -13,7 +13,7 @@ import torch
 from tests.launching import REPO
 
 LAYER_IDS = [0, 2, 3]  # 3 is the last layer: captured after the final norm, which stays replicated
-TOLERANCE = dict(rtol=1e-5, atol=1e-5)  # fp32; measured max |diff| ~2e-6 on values up to ~4
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}  # fp32; measured max |diff| ~2e-6 on values up to ~4
 
 
 def _inputs() -> torch.Tensor:
@@ -28,7 +28,7 @@ def _env() -> dict:
 def torchrun(nproc: int, *args: str, module: str | None = "launcher.train", timeout: float = 300):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            *(["-m", module] if module else []), *args]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=_env())
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=_env(), check=False)
 
 
 # ----------------------------------------------------------------------------- single process
@@ -44,12 +44,19 @@ def test_layer_plan_from_qwen3_config():
     assert "self_attn.q_norm" not in plan  # replicated norms are left alone at inference
 
 
-def test_layer_plan_fallback_and_unknown_style():
-    from types import SimpleNamespace
+def test_layer_plan_per_family_and_unknown_style():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from transformers import GptOssConfig, Qwen3Config, Qwen3MoeConfig
 
-    from launcher.distributed.tensor_parallel import FALLBACK_LAYER_PLAN, TensorParallelError, layer_plan
-    assert set(layer_plan(SimpleNamespace(base_model_tp_plan=None))) == set(FALLBACK_LAYER_PLAN)
-    packed = SimpleNamespace(base_model_tp_plan={"layers.*.mlp.gate_up_proj": "packed_colwise"})
+    from launcher.distributed.tensor_parallel import TensorParallelError, layer_plan, plan_strings
+    gpt_oss = layer_plan(GptOssConfig())  # transformers has no layer plan: the family's own, attention only
+    assert set(gpt_oss) == {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"}
+    assert isinstance(gpt_oss["self_attn.o_proj"], RowwiseParallel)
+    _, replicated = plan_strings(Qwen3MoeConfig())  # experts stay whole, attention is split
+    assert set(replicated) == {"mlp.experts", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
+    assert isinstance(layer_plan(Qwen3MoeConfig())["self_attn.q_proj"], ColwiseParallel)
+    packed = Qwen3Config()
+    packed.base_model_tp_plan = {"layers.*.mlp.gate_up_proj": "packed_colwise"}
     with pytest.raises(TensorParallelError, match="packed_colwise"):
         layer_plan(packed)
 

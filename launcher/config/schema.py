@@ -36,7 +36,8 @@ def required(doc: str):
 class TargetSettings:
     path: str = required("local Hugging Face model directory of the frozen target (config, weights, tokenizer)")
     build_tiny: bool = knob(False, "build the embedded tiny target at `path` when it is missing (no download)")
-    family: Optional[str] = knob(None, "tiny target family to build (qwen3, qwen3_moe, qwen3_5, qwen3_5_moe, llama, gpt_oss)")
+    tiny_family: str = knob("qwen3", "family of the tiny target build_tiny builds",
+                            choices=("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "llama", "gpt_oss"))
     dtype: str = knob("auto", "compute dtype: auto (bf16 on GPU, fp32 on CPU)",
                       choices=("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32"))
     parallel: str = knob("replicate", "replicate: each target rank a whole copy | tensor: tp_size ranks per unit",

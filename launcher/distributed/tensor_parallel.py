@@ -9,8 +9,21 @@ decoder layer with the model's own `base_model_tp_plan`.
 Attention heads and MLP columns are split across the unit; the row-parallel projections
 (o_proj, down_proj) all-reduce their outputs, so every decoder layer's output, and hence
 every captured hidden state, is a full replicated tensor equal (up to summation order) to
-the unsharded model's. Embeddings and norms stay replicated: they are small, and a
-replicated embedding keeps the decoder's input an ordinary tensor.
+the unsharded model's.
+
+What stays whole on every rank (replicated), per family (dflash_core.families):
+- embeddings, norms, rotary buffers: small, and a replicated embedding keeps the decoder's
+  input an ordinary tensor;
+- MoE experts and routers (qwen3_moe, qwen3_5_moe, gpt_oss): transformers' plans shard the
+  fused expert tensors with `packed_colwise` / `moe_tp_experts`, styles that need
+  transformers' own distributed runtime; the experts are therefore replicated (each rank holds
+  them all: tensor parallelism saves attention memory only);
+- the shared-expert gate of qwen3_5_moe (one output);
+- Qwen3.5's linear-attention layers are sharded as transformers' plan says
+  (`colwise_gather_output`: each rank computes a slice of every projection, then the slices
+  are all-gathered), so the recurrent scan itself runs whole on every rank.
+gpt-oss has no layer plan in transformers: its attention is split by heads with the
+family's own plan, its attention sinks (one logit per head) sliced with the heads.
 """
 from __future__ import annotations
 
@@ -21,8 +34,14 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
 
+from dflash_core.families import family_of, text_config
 from dflash_core.target import CapturingTarget
 
 log = logging.getLogger("dflash")
@@ -38,14 +57,6 @@ _STYLES = {
     "replicated_with_grad_allreduce": None,
 }
 
-# Used when the config has no base_model_tp_plan: the Llama/Qwen layout (Megatron-style
-# column-then-row pairs, one all-reduce after attention and one after the MLP).
-FALLBACK_LAYER_PLAN = {
-    "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
-    "self_attn.o_proj": "rowwise",
-    "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
-}
-
 _LAYER_PREFIX = "layers.*."
 
 
@@ -54,29 +65,40 @@ class TensorParallelError(ValueError):
 
 
 def check_divisible(config, tp_size: int) -> None:
-    """Heads, kv heads and MLP width must split evenly: each rank keeps whole heads."""
-    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        value = getattr(config, key, None)
+    """Attention heads must split evenly: each rank keeps whole heads (the sharded Linear
+    layers' widths are checked module by module in shard_target)."""
+    text = text_config(config)
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        value = getattr(text, key, None)
         if value is not None and value % tp_size:
             raise TensorParallelError(f"target.tp_size={tp_size} does not divide the target's {key}={value}; "
                                       f"pick a tp_size that divides num_attention_heads="
-                                      f"{config.num_attention_heads} and num_key_value_heads="
-                                      f"{getattr(config, 'num_key_value_heads', None)}")
+                                      f"{text.num_attention_heads} and num_key_value_heads="
+                                      f"{getattr(text, 'num_key_value_heads', None)}")
+
+
+def plan_strings(config) -> tuple[dict[str, str], dict[str, str]]:
+    """(sharded, replicated): the per-decoder-layer plan entries we apply, and those the family
+    leaves whole on every rank, from the text config's `base_model_tp_plan` or the family's own."""
+    family = family_of(config)
+    model_plan = getattr(text_config(config), "base_model_tp_plan", None) or {}
+    strings = {key[len(_LAYER_PREFIX):]: style for key, style in model_plan.items() if key.startswith(_LAYER_PREFIX)}
+    strings = strings or dict(family.tp_layer_plan)
+    if not strings:
+        raise TensorParallelError(f"the {family.name} target has no tensor-parallel plan; use target.parallel=replicate")
+    replicated = {key: style for key, style in strings.items()
+                  if any(key == root or key.startswith(root + ".") for root in family.tp_replicated)}
+    return {key: style for key, style in strings.items() if key not in replicated}, replicated
 
 
 def layer_plan(config) -> dict[str, ParallelStyle]:
-    """The per-decoder-layer plan, from the config's `base_model_tp_plan` or our fallback."""
-    model_plan = getattr(config, "base_model_tp_plan", None) or {}
-    strings = {key[len(_LAYER_PREFIX):]: style for key, style in model_plan.items() if key.startswith(_LAYER_PREFIX)}
-    if not strings:
-        log.warning("target config %s has no base_model_tp_plan for its layers; using the Llama/Qwen layout",
-                    type(config).__name__)
-        strings = FALLBACK_LAYER_PLAN
-    unknown = {key: style for key, style in strings.items() if style not in _STYLES}
+    """The per-decoder-layer DTensor plan (see plan_strings); styles we cannot shard are an error."""
+    sharded, _ = plan_strings(config)
+    unknown = {key: style for key, style in sharded.items() if style not in _STYLES}
     if unknown:
         raise TensorParallelError(f"the target's tensor-parallel plan uses styles this launcher does not shard: "
                                   f"{unknown} (supported: {sorted(_STYLES)}); use target.parallel=replicate")
-    return {key: _STYLES[style]() for key, style in strings.items() if _STYLES[style] is not None}
+    return {key: _STYLES[style]() for key, style in sharded.items() if _STYLES[style] is not None}
 
 
 def unit_mesh(unit_group: ProcessGroup, device: torch.device) -> DeviceMesh:
@@ -91,20 +113,27 @@ def shard_target(target: CapturingTarget, unit_group: ProcessGroup, device: torc
     Every rank of the unit must call this with identical weights loaded (they all read the
     same checkpoint), so each keeps its own slice without a broadcast (src_data_rank=None).
     The target may be loaded on CPU first: sharded weights go to `device` one at a time, so a
-    rank never holds the whole model on its accelerator.
+    rank never holds the whole model on its accelerator. Layers of a hybrid stack get the plan
+    entries of the submodules they have (Qwen3.5: linear_attn or self_attn).
     """
     mesh = unit_mesh(unit_group, device)
-    tp_size = mesh.size()
+    tp_size, rank = mesh.size(), mesh.get_local_rank()
     check_divisible(target.config, tp_size)
     plan = layer_plan(target.config)
     decoder = target.decoder
+    unused = set(plan)
     for index, layer in enumerate(decoder.layers):
-        missing = [name for name in plan if _submodule(layer, name) is None]
-        if missing:
-            raise TensorParallelError(f"decoder layer {index} ({type(layer).__name__}) has no submodule(s) {missing} "
-                                      f"named in the tensor-parallel plan")
-        parallelize_module(layer, mesh, plan, src_data_rank=None)
-    # Replicated parts (embeddings, norms, rotary buffers): ordinary tensors on this rank's device.
+        layer_plan_here = {name: style for name, style in plan.items() if _submodule(layer, name) is not None}
+        for name, style in layer_plan_here.items():
+            _check_width(layer, index, name, style, tp_size)
+        unused -= set(layer_plan_here)
+        parallelize_module(layer, mesh, layer_plan_here, src_data_rank=None)
+        for name in target.family.tp_head_params:
+            _slice_heads(layer, name, tp_size, rank)
+    if unused:
+        raise TensorParallelError(f"no decoder layer ({type(decoder.layers[0]).__name__}) has the submodule(s) "
+                                  f"{sorted(unused)} named in the tensor-parallel plan")
+    # Replicated parts (embeddings, norms, rotary buffers, experts): ordinary tensors on this rank's device.
     for module in decoder.modules():
         for name, tensor in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
             if not _is_dtensor(tensor) and tensor.device != device:
@@ -114,7 +143,32 @@ def shard_target(target: CapturingTarget, unit_group: ProcessGroup, device: torc
                 setattr(module, name, moved)
     log.info("target sharded over unit ranks %s (tp_size %d): %d layers, %s", mesh.mesh.tolist(), tp_size,
              len(decoder.layers), {k: type(v).__name__ for k, v in plan.items()})
+    whole = [root for root in target.family.tp_replicated if any(_submodule(layer, root) is not None for layer in decoder.layers)]
+    if whole:
+        _, dropped = plan_strings(target.config)
+        log.warning("tensor-parallel %s target: %s stay whole on every rank (transformers' plan styles for them: "
+                    "%s)", target.family.name, whole, sorted(set(dropped.values())) or "none")
     return mesh
+
+
+def _check_width(layer: nn.Module, index: int, name: str, style: ParallelStyle, tp_size: int) -> None:
+    """A column-parallel Linear splits its outputs, a row-parallel one its inputs: evenly."""
+    linear = layer.get_submodule(name)
+    width = linear.in_features if isinstance(style, RowwiseParallel) else linear.out_features
+    if width % tp_size:
+        raise TensorParallelError(f"target.tp_size={tp_size} does not divide the width {width} of layer {index}'s "
+                                  f"{name} ({type(style).__name__})")
+
+
+def _slice_heads(layer: nn.Module, name: str, tp_size: int, rank: int) -> None:
+    """Keep this rank's heads of a per-head parameter (gpt-oss attention sinks), in the order
+    ColwiseParallel gives the heads of q_proj: rank r holds the r-th contiguous block."""
+    owner_name, _, param_name = name.rpartition(".")
+    owner = _submodule(layer, owner_name)
+    if owner is None:
+        return
+    full = getattr(owner, param_name)
+    setattr(owner, param_name, nn.Parameter(full.detach().chunk(tp_size)[rank].clone(), requires_grad=False))
 
 
 def _submodule(layer: nn.Module, name: str) -> nn.Module | None:
