@@ -127,18 +127,20 @@ def test_flex_returns_zero_for_rows_without_keys(compiles_before):
 
 @torch.no_grad()
 def test_evaluation_recompiles_nothing_across_batches(drafter):
-    """Held-out batches with different numbers of valid anchors reuse the compiled layer (flex
-    inside): the anchor chunks must not reach the graph as slices with batch-dependent strides."""
+    """Held-out batches with different numbers of valid anchors, and packed rows, reuse the
+    compiled layer (flex inside): the anchor chunks must not reach the graph as slices with
+    batch-dependent strides, and document ids are data, not shape."""
     from dflash_core.frozen_head import FrozenTargetHead
     from dflash_core.objective import evaluate_tau
     head = FrozenTargetHead.random(50, HIDDEN, seed=0)
     gen = torch.Generator().manual_seed(0)
     counts = []
-    for supervised in (S, S // 2):   # all positions, then half: fewer anchor chunks
+    # All positions, then half (fewer anchor chunks), then packed rows.
+    for supervised, position_ids in ((S, None), (S // 2, None), (S, PACKED)):
         ids = torch.randint(0, 49, (B, S), generator=gen)
         mask = (torch.arange(S) < supervised).long().expand(B, -1)
         features = torch.randn(B, S, 2 * HIDDEN, generator=gen)
-        evaluate_tau(drafter, head, ids, mask, features, backend="flex", num_anchors=N, chunk_blocks=N,
-                     compiled=True)
+        evaluate_tau(drafter, head, ids, mask, features, position_ids=position_ids, backend="flex",
+                     num_anchors=N, chunk_blocks=N, compiled=True)
         counts.append(compile_count("drafter_layer"))
-    assert counts[1] == counts[0] > 0
+    assert counts[2] == counts[1] == counts[0] > 0

@@ -94,6 +94,20 @@ def test_packed_row_loss_and_gradients_equal_its_documents_alone(loss_type):
 
 
 @torch.no_grad()
+def test_a_document_at_offset_1000_is_drafted_as_if_alone():
+    model, gen = drafter(), torch.Generator().manual_seed(4)
+    alone = torch.randn(1, 40, 2 * HIDDEN, generator=gen)
+    before = torch.randn(1, 1000, 2 * HIDDEN, generator=gen)  # another document
+    position_ids = torch.cat([torch.arange(1000), torch.arange(40)]).unsqueeze(0)
+    anchors, keep = torch.tensor([[0, 3, 17, 35]]), torch.ones(1, 4, dtype=torch.bool)
+    embeds = torch.randn(1, 4 * BS, HIDDEN, generator=gen)
+    want = model(alone, embeds, anchors, keep, backend="sdpa")
+    got = model(torch.cat([before, alone], 1), embeds, anchors + 1000, keep, position_ids=position_ids,
+                backend="sdpa")
+    torch.testing.assert_close(got, want, **TOLERANCE)
+
+
+@torch.no_grad()
 def test_evaluate_tau_of_a_packed_row_is_the_sum_over_its_documents():
     docs, model, head = documents(seed=2), drafter(), FrozenTargetHead.random(VOCAB, HIDDEN, seed=1)
     *batch, position_ids = packed_row(docs)
