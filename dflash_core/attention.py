@@ -67,7 +67,7 @@ def query_intervals(b, q_idx, anchors, keep, doc_starts, *, context_len, block_s
     return live, ctx_lo, anchor.clamp(max=context_len), blk_lo, blk_hi
 
 
-def _window(layer_type, window):
+def _layer_window(layer_type, window):
     if layer_type not in LAYER_TYPES:
         raise ValueError(f"unknown layer type {layer_type!r}; expected one of {LAYER_TYPES}")
     if layer_type == "full_attention":
@@ -81,7 +81,7 @@ def make_mask_mod(anchors, keep, *, context_len, block_size, layer_type, window=
     """Return mask_mod(b, h, q_idx, kv_idx) -> bool for blocks anchored at `anchors` [B, N]
     (documents starting at `doc_starts` [B, N], zeros when None): kv lies in one of the
     query's `query_intervals`."""
-    window = _window(layer_type, window)
+    window = _layer_window(layer_type, window)
     if doc_starts is None:
         doc_starts = torch.zeros_like(anchors)
 
@@ -184,7 +184,7 @@ def build_attention_mask(anchors, keep, *, context_len, block_size, layer_type, 
         q_len = anchors.shape[1] * block_size
         return dense_mask(mask_mod, anchors.shape[0], q_len, context_len + q_len, anchors.device)
     return interval_block_mask(anchors, keep, doc_starts, context_len=context_len, block_size=block_size,
-                               window=_window(layer_type, window), mask_mod=mask_mod)
+                               window=_layer_window(layer_type, window), mask_mod=mask_mod)
 
 
 def attend(q, k, v, mask):
