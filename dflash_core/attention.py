@@ -4,59 +4,91 @@ Layout of one attention call (per batch row):
     Q axis:  [block_0 | block_1 | ... | block_{N-1}]          N * Bs queries
     KV axis: [context 0..S-1 | block_0 | ... | block_{N-1}]   S + N * Bs keys
 
-A single `mask_mod` (built by `make_mask_mod`) defines who sees what. Both backends use it:
-  - "flex": torch.compile'd flex_attention with a BlockMask from a compiled
-    create_block_mask, so no dense [Q, KV] mask is materialised on the GPU;
-  - "sdpa": dense reference that evaluates the same mask_mod on broadcast index grids and
-    calls F.scaled_dot_product_attention (CPU training, tests).
+Who sees what is defined once, by `query_intervals`: every query sees one interval of context
+keys and one interval of its own block's keys. Both backends use it through `make_mask_mod`:
+  - "flex": torch.compile'd flex_attention with a BlockMask built directly from the intervals
+    (`interval_block_mask`: a few eager ops per micro-batch, nothing compiled, no dense
+    [Q, KV] mask); tiles the intervals only partly cover apply the mask_mod;
+  - "sdpa": dense reference that evaluates the mask_mod on broadcast index grids and calls
+    F.scaled_dot_product_attention (CPU training, tests).
+
+Packed rows (several documents in one row) enter as `doc_starts` [B, N]: the first context
+index of each block's document. Document ids are data, not shape, so one compiled graph serves
+packed and unpacked rows alike.
 """
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from .compile import compiled_function
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 BACKENDS = ("auto", "flex", "sdpa")
+TILE = 128  # flex_attention's default sparse block (tile) size, on both axes
 
 
-def make_mask_mod(anchors, keep, *, context_len, block_size, layer_type, window=None):
-    """Return mask_mod(b, h, q_idx, kv_idx) -> bool for blocks anchored at `anchors` [B, N].
+def block_doc_starts(anchors, position_ids=None):
+    """[B, N]: the first row index of each anchor's document (position_ids restart at 0 at
+    every document start); zeros for unpacked rows (position_ids None)."""
+    if position_ids is None:
+        return torch.zeros_like(anchors)
+    return anchors - position_ids.gather(1, anchors)
 
-    A query in block j (anchor a, offset q_off) sees
-      - context keys kv < a (strictly: the anchor's own target state is not visible);
-      - keys of its own block: all of them on full layers, kv_off <= q_off on sliding layers;
-      - on sliding layers every key must also lie in the window: pos >= a + q_off - (W - 1);
+
+def query_intervals(b, q_idx, anchors, keep, doc_starts, *, context_len, block_size, window):
+    """The keys a query sees: [ctx_lo, ctx_hi) of the context and [blk_lo, blk_hi) of the KV
+    axis's block part, both only where `live`. -> (live, ctx_lo, ctx_hi, blk_lo, blk_hi).
+
+    A query in block j (anchor a, document start d, offset q_off) sees
+      - context keys d <= kv < a (strictly before the anchor, never another document's);
+      - keys of its own block: all of them on full layers (window None), kv_off <= q_off on
+        sliding layers;
+      - on sliding layers every key must also lie in the window: key position >= a + q_off - (W - 1)
+        (positions are contiguous inside a document, so the window is the same in row indices);
       - nothing at all if keep[b, j] is False or the query row is padding (q_idx >= N * Bs).
-    """
+    b and q_idx broadcast (scalars inside flex, index grids for the dense mask and the BlockMask)."""
+    num_blocks = anchors.shape[1]
+    q_blk_raw = q_idx // block_size
+    # create_block_mask and the kernels evaluate padded query rows too: clamp the index so the
+    # gathers stay in bounds, and mask those rows out through `live`.
+    q_blk = q_blk_raw.clamp(max=num_blocks - 1)
+    anchor = anchors[b, q_blk]
+    live = keep[b, q_blk] & (q_blk_raw < num_blocks)
+    ctx_lo = doc_starts[b, q_blk]
+    blk_lo = context_len + q_blk * block_size
+    blk_hi = blk_lo + block_size
+    if window is not None:
+        q_off = q_idx % block_size
+        oldest = q_off - (window - 1)  # the oldest visible key, relative to the anchor
+        ctx_lo = torch.maximum(ctx_lo, anchor + oldest)
+        blk_hi = blk_lo + q_off + 1
+        blk_lo = blk_lo + oldest.clamp(min=0)
+    return live, ctx_lo, anchor.clamp(max=context_len), blk_lo, blk_hi
+
+
+def _layer_window(layer_type, window):
     if layer_type not in LAYER_TYPES:
         raise ValueError(f"unknown layer type {layer_type!r}; expected one of {LAYER_TYPES}")
-    sliding = layer_type == "sliding_attention"
-    if sliding and (window is None or window < 1):
+    if layer_type == "full_attention":
+        return None
+    if window is None or window < 1:
         raise ValueError(f"sliding_attention needs a positive window, got {window!r}")
-    num_blocks = anchors.shape[1]
+    return window
+
+
+def make_mask_mod(anchors, keep, *, context_len, block_size, layer_type, window=None, doc_starts=None):
+    """Return mask_mod(b, h, q_idx, kv_idx) -> bool for blocks anchored at `anchors` [B, N]
+    (documents starting at `doc_starts` [B, N], zeros when None): kv lies in one of the
+    query's `query_intervals`."""
+    window = _layer_window(layer_type, window)
+    if doc_starts is None:
+        doc_starts = torch.zeros_like(anchors)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        q_blk_raw = q_idx // block_size
-        # create_block_mask and the kernels evaluate padded query rows too: clamp the index so
-        # the gathers below stay in bounds, and mask those rows out through `live`.
-        q_blk = q_blk_raw.clamp(max=num_blocks - 1)
-        q_off = q_idx % block_size
-        anchor = anchors[b, q_blk]
-        live = keep[b, q_blk] & (q_blk_raw < num_blocks)
-
-        is_context = kv_idx < context_len
-        kv_blk = (kv_idx - context_len) // block_size
-        kv_off = (kv_idx - context_len) % block_size
-        visible_context = is_context & (kv_idx < anchor)
-        visible_block = ~is_context & (kv_blk == q_blk_raw)
-        if sliding:
-            visible_block = visible_block & (kv_off <= q_off)
-            key_pos = torch.where(is_context, kv_idx, anchor + kv_off)
-            in_window = key_pos >= anchor + q_off - (window - 1)
-            return live & (visible_context | visible_block) & in_window
-        return live & (visible_context | visible_block)
+        live, ctx_lo, ctx_hi, blk_lo, blk_hi = query_intervals(
+            b, q_idx, anchors, keep, doc_starts, context_len=context_len, block_size=block_size, window=window)
+        return live & (((ctx_lo <= kv_idx) & (kv_idx < ctx_hi)) | ((blk_lo <= kv_idx) & (kv_idx < blk_hi)))
 
     return mask_mod
 
@@ -70,13 +102,66 @@ def dense_mask(mask_mod, batch, q_len, kv_len, device):
     return mask_mod(b, h, q, kv).expand(batch, 1, q_len, kv_len)
 
 
+def _ordered(tiles):
+    """bool [B, H, R, C] -> (count int32 [B, H, R], columns int32 [B, H, R, C]): per row the
+    marked columns ascending, then the others ascending (the layout create_block_mask makes
+    with a stable argsort; here a cumsum and a scatter, no sort)."""
+    marked = tiles.to(torch.int32)
+    count = marked.sum(-1, dtype=torch.int32)
+    rank = torch.where(tiles, marked.cumsum(-1) - 1, count.unsqueeze(-1) + (1 - marked).cumsum(-1) - 1)
+    columns = torch.arange(tiles.shape[-1], dtype=torch.int32, device=tiles.device).expand_as(rank)
+    return count, torch.empty_like(columns).scatter_(-1, rank.long(), columns)
+
+
+def interval_block_mask(anchors, keep, doc_starts, *, context_len, block_size, window, mask_mod, tile=TILE):
+    """The flex BlockMask of `query_intervals` without evaluating the mask per (query, key) and
+    without compiling anything: a tile is skipped when no query row's interval touches it, full
+    when every row's interval covers it, partial (mask_mod applied) otherwise. Padded rows and
+    keys count as invisible, so the result equals create_block_mask(mask_mod, B, None, Q, KV).
+
+    Each row's interval touches a contiguous range of key tiles and covers a contiguous range;
+    per query tile, the rows touching / covering each key tile are counted with a difference
+    array (two scatter-adds and a cumsum over [B, Q/tile, KV/tile]), so the cost is linear in Q."""
+    batch, num_blocks = anchors.shape
+    q_len = num_blocks * block_size
+    kv_len = context_len + q_len
+    q_tiles, kv_tiles = -(-q_len // tile), -(-kv_len // tile)
+    device = anchors.device
+    q = torch.arange(q_tiles * tile, device=device)
+    live, ctx_lo, ctx_hi, blk_lo, blk_hi = query_intervals(
+        torch.arange(batch, device=device).unsqueeze(1), q.unsqueeze(0), anchors, keep, doc_starts,
+        context_len=context_len, block_size=block_size, window=window)
+    # Row r's tile ranges go to slots [q_tile(r), first .. last + 1] of a flat difference array.
+    row_base = (q // tile * (kv_tiles + 1)).expand(batch, -1)
+    touching = torch.zeros(batch, q_tiles * (kv_tiles + 1), dtype=torch.int32, device=device)
+    covering = torch.zeros_like(touching)
+
+    def add_ranges(counts, first, last, valid):
+        valid = (valid & (first <= last)).to(torch.int32)
+        counts.scatter_add_(1, row_base + first, valid)
+        counts.scatter_add_(1, row_base + last + 1, -valid)
+
+    for lo, hi in ((ctx_lo, ctx_hi), (blk_lo, blk_hi)):
+        add_ranges(touching, lo // tile, (hi - 1) // tile, live & (lo < hi))
+        # Covered tiles lie wholly inside [lo, hi), hence inside kv_len: padding is never covered.
+        # The two intervals are disjoint, so no tile is counted twice for one row.
+        add_ranges(covering, -(-lo // tile), hi // tile - 1, live)
+
+    shape = (batch, 1, q_tiles, kv_tiles + 1)
+    touched = touching.view(shape).cumsum(-1)[..., :kv_tiles] > 0
+    # Every one of the tile's query rows covers it (padded rows are dead, so a ragged last
+    # query tile is never full). Where the two intervals abut, a tile they cover only together
+    # stays partial: still exact, as partial tiles apply the mask_mod.
+    full = covering.view(shape).cumsum(-1)[..., :kv_tiles] == tile
+    partial_count, partial_columns = _ordered(touched & ~full)
+    full_count, full_columns = _ordered(full)
+    return BlockMask.from_kv_blocks(partial_count, partial_columns, full_count, full_columns,
+                                    BLOCK_SIZE=(tile, tile), mask_mod=mask_mod, seq_lengths=(q_len, kv_len))
+
+
 # Compiled once per process; shapes are static (fixed anchor count and sequence length), so
-# a process compiles each of these once per layer type. CPU flex has no backward: see attend.
+# a process compiles this once per layer type. CPU flex has no backward: see attend.
 _compiled_flex_attention = compiled_function("flex_attention", flex_attention)
-# Compiled on CUDA so the dense [Q, KV] mask is never materialised there. On CPU the eager
-# version is used: inductor's CPU codegen fails on this mask_mod (torch 2.13: VecMask<int>
-# vs VecMask<float> in the padded reduction), and a dense mask is harmless on CPU.
-_compiled_create_block_mask = compiled_function("create_block_mask", create_block_mask)
 
 
 def resolve_backend(backend, device):
@@ -87,19 +172,19 @@ def resolve_backend(backend, device):
     return backend
 
 
-def build_attention_mask(anchors, keep, *, context_len, block_size, layer_type, window, backend):
-    """The mask for one layer type, built once per forward and shared by its layers:
-    a BlockMask for flex, a dense bool [B, 1, Q, KV] tensor for sdpa."""
+def build_attention_mask(anchors, keep, *, context_len, block_size, layer_type, window, backend,
+                         position_ids=None):
+    """The mask for one layer type, built once per forward and shared by its layers: a BlockMask
+    for flex, a dense bool [B, 1, Q, KV] tensor for sdpa. position_ids [B, S] (restarting at 0 at
+    every document start) confine each block to its document; None: one document per row."""
+    doc_starts = block_doc_starts(anchors, position_ids)
     mask_mod = make_mask_mod(anchors, keep, context_len=context_len, block_size=block_size,
-                             layer_type=layer_type, window=window)
-    batch, num_blocks = anchors.shape
-    q_len = num_blocks * block_size
-    kv_len = context_len + q_len
+                             layer_type=layer_type, window=window, doc_starts=doc_starts)
     if resolve_backend(backend, anchors.device) == "sdpa":
-        return dense_mask(mask_mod, batch, q_len, kv_len, anchors.device)
-    if anchors.device.type != "cuda":
-        return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=anchors.device)
-    return _compiled_create_block_mask(mask_mod, batch, None, q_len, kv_len, device=anchors.device)
+        q_len = anchors.shape[1] * block_size
+        return dense_mask(mask_mod, anchors.shape[0], q_len, context_len + q_len, anchors.device)
+    return interval_block_mask(anchors, keep, doc_starts, context_len=context_len, block_size=block_size,
+                               window=_layer_window(layer_type, window), mask_mod=mask_mod)
 
 
 def attend(q, k, v, mask):

@@ -9,8 +9,8 @@ layers.{i}.{input,post_attention}_layernorm, fc, hidden_norm, norm.
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from .attention import LAYER_TYPES, attend, build_attention_mask
 from .compile import compiled_function
@@ -270,10 +270,15 @@ class DFlashDrafter(nn.Module):
         """Target features [B, S, L*H] -> the drafter's context states [B, S, H]."""
         return self.hidden_norm(self.fc(context_features))
 
-    def forward(self, context_features, block_embeds, anchors, keep, *, backend="auto", compiled=False):
+    def forward(self, context_features, block_embeds, anchors, keep, *, position_ids=None, backend="auto",
+                compiled=False):
         """context_features [B, S, L*H], block_embeds [B, N*Bs, H], anchors/keep [B, N]
-        -> final-normed block hidden states [B, N*Bs, H]. compiled: run each layer through its
-        torch.compile'd graph (static shapes: one compilation per process)."""
+        -> final-normed block hidden states [B, N*Bs, H]. position_ids [B, S]: the row's
+        positions, restarting at 0 at every document start (None: 0..S-1, one document per row);
+        context key kv sits at position_ids[kv] and block slot k at position_ids[a] + k, and a
+        block sees only its own document, so a packed document is drafted exactly as if alone.
+        compiled: run each layer through its torch.compile'd graph (static shapes: one
+        compilation per process, packed or not)."""
         cfg = self.config
         batch, context_len, _ = context_features.shape
         if not torch.is_autocast_enabled(context_features.device.type):
@@ -282,15 +287,20 @@ class DFlashDrafter(nn.Module):
             block_embeds = block_embeds.to(self.fc.weight.dtype)
         ctx = self.context(context_features)
 
+        if position_ids is None:  # also serves an anchor just past the context (speculative decoding)
+            context_positions = torch.arange(context_len, device=anchors.device).expand(batch, -1)
+            anchor_positions = anchors
+        else:
+            context_positions, anchor_positions = position_ids, position_ids.gather(1, anchors)
         slot = torch.arange(cfg.block_size, device=anchors.device)
-        block_positions = (anchors.unsqueeze(-1) + slot).flatten(1)
-        context_positions = torch.arange(context_len, device=anchors.device).expand(batch, -1)
+        block_positions = (anchor_positions.unsqueeze(-1) + slot).flatten(1)
         rope = rope_cos_sin(block_positions, cfg.head_dim, cfg.rope_theta)
         context_rope = rope_cos_sin(context_positions, cfg.head_dim, cfg.rope_theta)
 
         masks = {layer_type: build_attention_mask(
                      anchors, keep, context_len=context_len, block_size=cfg.block_size,
-                     layer_type=layer_type, window=cfg.sliding_window, backend=backend)
+                     layer_type=layer_type, window=cfg.sliding_window, backend=backend,
+                     position_ids=position_ids)
                  for layer_type in dict.fromkeys(cfg.layer_types)}
         run_layer = _compiled_layer_over_context if compiled else _layer_over_context
         h = block_embeds

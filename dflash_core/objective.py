@@ -100,18 +100,26 @@ def block_input_ids(input_ids, anchors, block_size, mask_token_id):
     return ids.flatten(1)
 
 
-def block_labels(input_ids, loss_mask, anchors, keep, block_size):
+def block_labels(input_ids, loss_mask, anchors, keep, block_size, position_ids=None):
     """Slot k of a block anchored at a predicts input_ids[a + k].
     -> labels [B, N, Bs] long, weights [B, N, Bs] float =
-       keep * (a + k < S) * (k > 0) * loss_mask[a + k]."""
+       keep * (a + k < S) * (k > 0) * loss_mask[a + k] * (a + k in a's document), the last
+       factor read from position_ids (position_ids[a + k] == position_ids[a] + k; None: one
+       document per row)."""
     batch, num_blocks = anchors.shape
     seq_len = input_ids.shape[1]
     slot = torch.arange(block_size, device=anchors.device)
     positions = anchors.unsqueeze(-1) + slot
     clamped = positions.clamp(max=seq_len - 1).flatten(1)
-    labels = input_ids.gather(1, clamped).view(batch, num_blocks, block_size)
-    supervised = loss_mask.gather(1, clamped).view(batch, num_blocks, block_size).bool()
-    weights = keep.unsqueeze(-1) & (positions < seq_len) & (slot > 0) & supervised
+
+    def at_slots(values):
+        return values.gather(1, clamped).view(batch, num_blocks, block_size)
+
+    labels = at_slots(input_ids)
+    weights = keep.unsqueeze(-1) & (positions < seq_len) & (slot > 0) & at_slots(loss_mask).bool()
+    if position_ids is not None:
+        slot_positions = at_slots(position_ids)
+        weights &= slot_positions == slot_positions[..., :1] + slot
     return labels, weights.float()
 
 
@@ -187,7 +195,7 @@ class _FusedHeadLoss(torch.autograd.Function):
         return grad_h * grad_loss.to(grad_h.dtype), None, None, None, None, None, None, None
 
 
-def _run_blocks(drafter, head, input_ids, loss_mask, features, anchors, keep, *,
+def _run_blocks(drafter, head, input_ids, loss_mask, position_ids, features, anchors, keep, *,
                 loss_type, gamma, alpha, backend, chunk_blocks, compiled):
     """Drafter forward on the given blocks, then the loss in chunks of `chunk_blocks` blocks
     (with grad: `_FusedHeadLoss`), so the [N*Bs, V] logits never exist at once.
@@ -195,9 +203,10 @@ def _run_blocks(drafter, head, input_ids, loss_mask, features, anchors, keep, *,
     model = getattr(drafter, "module", drafter)
     cfg = model.config
     block_ids = block_input_ids(input_ids, anchors, cfg.block_size, cfg.mask_token_id)
-    h = drafter(features, head.embed(block_ids), anchors, keep, backend=backend, compiled=compiled)
+    h = drafter(features, head.embed(block_ids), anchors, keep, position_ids=position_ids, backend=backend,
+                compiled=compiled)
     h = h.view(*anchors.shape, cfg.block_size, -1)
-    labels, weights = block_labels(input_ids, loss_mask, anchors, keep, cfg.block_size)
+    labels, weights = block_labels(input_ids, loss_mask, anchors, keep, cfg.block_size, position_ids)
     gamma = default_gamma(cfg.block_size) if gamma is None else gamma
 
     loss_sum, weight_sum, correct = 0.0, 0.0, []
@@ -224,35 +233,39 @@ def _counts(loss_sum, weight_sum, correct, weights, keep):
                       hit.sum(dim=(0, 1)).double(), supervised.sum(dim=(0, 1)).double())
 
 
-def drafter_step(drafter, head, input_ids, loss_mask, hidden, *, num_anchors=512, generator=None,
-                 loss_type="dflash", gamma=None, alpha=0.5, backend="auto", chunk_blocks=32,
+def drafter_step(drafter, head, input_ids, loss_mask, hidden, *, position_ids=None, num_anchors=512,
+                 generator=None, loss_type="dflash", gamma=None, alpha=0.5, backend="auto", chunk_blocks=32,
                  feature_noise_std=0.0, fixed_anchors=None, compiled=False) -> StepOutput:
     """Forward + loss for one micro-batch. input_ids/loss_mask [B, S], hidden [B, S, L*H].
+    position_ids [B, S]: restart at 0 at every document start of a packed row (None: one
+    document per row); no anchor, label, context key or rotary position crosses a document,
+    and the row's num_anchors slots are shared by its documents.
     gamma None -> default_gamma(block_size). fixed_anchors: optional (anchors, keep) used
     instead of sampling. Feature noise draws from the global RNG of hidden's device.
     compiled: the drafter's layers and the head-loss terms run through torch.compile."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
     if fixed_anchors is None:
-        anchors, keep = sample_anchors(loss_mask, num_anchors, generator)
+        anchors, keep = sample_anchors(loss_mask, num_anchors, generator, position_ids)
     else:
         anchors, keep = fixed_anchors
     features = hidden
     if feature_noise_std > 0:
         features = hidden + feature_noise_std * torch.randn_like(hidden)
     loss_sum, weight_sum, correct, weights = _run_blocks(
-        drafter, head, input_ids, loss_mask, features, anchors, keep, loss_type=loss_type,
+        drafter, head, input_ids, loss_mask, position_ids, features, anchors, keep, loss_type=loss_type,
         gamma=gamma, alpha=alpha, backend=backend, chunk_blocks=chunk_blocks, compiled=compiled)
     return StepOutput(loss_sum, _counts(loss_sum, weight_sum, correct, weights, keep))
 
 
 @torch.no_grad()
-def evaluate_tau(drafter, head, input_ids, loss_mask, hidden, *, backend="auto",
+def evaluate_tau(drafter, head, input_ids, loss_mask, hidden, *, position_ids=None, backend="auto",
                  num_anchors=512, chunk_blocks=32, compiled=False) -> StepCounts:
     """Simulated acceptance with an anchor at every valid position, `num_anchors` blocks per
     forward (use the training count to reuse the compiled shapes), dflash-weighted loss.
+    Held-out rows are normally unpacked (position_ids None); packed rows give the same sums.
     Returns the counts (`.summary()` gives tau, acc, eal, loss) for cross-rank sums."""
-    anchors, keep = all_valid_anchors(loss_mask, multiple_of=num_anchors)
+    anchors, keep = all_valid_anchors(loss_mask, multiple_of=num_anchors, position_ids=position_ids)
     totals = StepCounts.zeros(getattr(drafter, "module", drafter).config.block_size, input_ids.device)
     for start in range(0, anchors.shape[1], num_anchors):
         part = slice(start, start + num_anchors)
@@ -260,7 +273,7 @@ def evaluate_tau(drafter, head, input_ids, loss_mask, hidden, *, backend="auto",
         # code (flex masks, compiled layers) guards on them, so slices would recompile per batch.
         chunk_anchors, chunk_keep = anchors[:, part].contiguous(), keep[:, part].contiguous()
         loss_sum, weight_sum, correct, weights = _run_blocks(
-            drafter, head, input_ids, loss_mask, hidden, chunk_anchors, chunk_keep,
+            drafter, head, input_ids, loss_mask, position_ids, hidden, chunk_anchors, chunk_keep,
             loss_type="dflash", gamma=None, alpha=0.0, backend=backend, chunk_blocks=chunk_blocks,
             compiled=compiled)
         totals = totals + _counts(loss_sum, weight_sum, correct, weights, chunk_keep)

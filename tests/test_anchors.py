@@ -49,3 +49,16 @@ def test_all_valid_anchors_lists_every_candidate_padded_to_a_multiple():
     for row, candidates in enumerate(CANDIDATES):
         assert anchors[row][keep[row]].tolist() == candidates
         assert (anchors[row][~keep[row]] == 0).all()
+
+
+def test_packed_candidates_keep_slot_one_in_the_anchors_document():
+    """Row 2 of LOSS_MASK packed as documents 0..3 and 4..9: t = 3 (last of the first document)
+    is no candidate, its slot 1 being the second document's first token."""
+    position_ids = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 4, 5]).expand(3, -1)
+    found = [torch.nonzero(row).flatten().tolist() for row in anchor_candidates(LOSS_MASK, position_ids)]
+    assert found == [[1, 2, 5, 8], [], [0, 1, 2, 4, 5, 6, 7, 8]]
+    anchors, keep = all_valid_anchors(LOSS_MASK, position_ids=position_ids)
+    assert anchors[2][keep[2]].tolist() == found[2]
+    for seed in range(20):
+        anchors, keep = sample_anchors(LOSS_MASK, 4, torch.Generator().manual_seed(seed), position_ids)
+        assert 3 not in anchors[2][keep[2]].tolist() and keep[2].all()

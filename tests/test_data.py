@@ -1,4 +1,5 @@
 import json
+import math
 import random
 import re
 
@@ -323,17 +324,22 @@ def test_batch_is_a_pure_function_of_its_index():
     assert make_source(samples, seed=8).batch(0).sample_ids != batches[0].sample_ids
 
 
-def test_every_sample_appears_once_per_epoch():
-    samples = synthetic_samples()
-    source = make_source(samples)
+def epoch_rows(source, epoch):
     per_epoch = source.num_batches_per_epoch
-    assert per_epoch == 10
+    return [row for i in range(epoch * per_epoch, (epoch + 1) * per_epoch) for row in source.batch(i).sample_ids]
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_every_sample_appears_once_per_epoch(packing):
+    samples = synthetic_samples()
+    source = make_source(samples, packing=packing, fixed_length=256 if packing else None)
+    assert source.num_batches_per_epoch == (math.ceil(source.num_rows / 4) if packing else 10)
     orders = []
     for epoch in range(2):
-        ids = [sid for i in range(epoch * per_epoch, (epoch + 1) * per_epoch) for sid in source.batch(i).sample_ids]
-        assert sorted(sid for sid in ids if sid >= 0) == list(range(len(samples)))
-        assert ids.count(-1) == per_epoch * 4 - len(samples)  # one batch topped up with empty rows
-        orders.append(ids)
+        rows = epoch_rows(source, epoch)
+        assert sorted(sid for row in rows for sid in row) == list(range(len(samples)))
+        assert rows.count(()) == source.num_batches_per_epoch * 4 - source.num_rows  # filler rows
+        orders.append(rows)
     assert orders[0] != orders[1]
 
 
@@ -343,8 +349,11 @@ def test_padding_is_on_the_right_with_pad_id_and_no_loss():
     for i in range(source.num_batches_per_epoch):
         batch = source.batch(i)
         assert batch.input_ids.shape[0] == 4 and batch.input_ids.shape[1] % 16 == 0
-        for row, sid in enumerate(batch.sample_ids):
+        for row, sids in enumerate(batch.sample_ids):
+            assert len(sids) <= 1
+            sid = sids[0] if sids else -1
             n = len(samples[sid]["input_ids"]) if sid >= 0 else 0
+            assert torch.equal(batch.position_ids[row], torch.arange(batch.input_ids.shape[1]))
             if sid >= 0:
                 assert torch.equal(batch.input_ids[row, :n], samples[sid]["input_ids"])
                 assert torch.equal(batch.loss_mask[row, :n], samples[sid]["loss_mask"])
@@ -354,7 +363,7 @@ def test_padding_is_on_the_right_with_pad_id_and_no_loss():
 def test_fixed_length_pads_every_batch_to_it():
     source = make_source(synthetic_samples(), fixed_length=160)
     assert {source.batch(i).input_ids.shape[1] for i in range(10)} == {160}
-    with pytest.raises(ValueError, match="fixed_length=100 is shorter than the longest sample"):
+    with pytest.raises(ValueError, match=r"sample \d+ has 148 tokens, more than fixed_length=100"):
         make_source(synthetic_samples(), fixed_length=100)
 
 
@@ -363,3 +372,56 @@ def test_length_bucketing_reduces_padding():
     bucketed, unbucketed = make_source(samples, bucket_window=8), make_source(samples, bucket_window=1)
     assert bucketed.padding_fraction() < unbucketed.padding_fraction()
     print(f"\npadding: bucketed {bucketed.padding_fraction():.3f}, unbucketed {unbucketed.padding_fraction():.3f}")
+
+
+# ------------------------------------------------------------------------- packing
+def test_packed_rows_hold_whole_samples_back_to_back():
+    samples = synthetic_samples()
+    source = make_source(samples, packing=True, fixed_length=256, pad_token_id=3)
+    assert source.num_rows < len(samples) / 2
+    for i in range(source.num_batches_per_epoch):
+        batch = source.batch(i)
+        assert batch.input_ids.shape == batch.position_ids.shape == (4, 256)
+        for row, sids in enumerate(batch.sample_ids):
+            offset = 0
+            for sid in sids:
+                n = len(samples[sid]["input_ids"])
+                assert torch.equal(batch.input_ids[row, offset:offset + n], samples[sid]["input_ids"])
+                assert torch.equal(batch.loss_mask[row, offset:offset + n], samples[sid]["loss_mask"])
+                assert torch.equal(batch.position_ids[row, offset:offset + n], torch.arange(n))
+                offset += n
+            # The padding is a segment of its own, starting at 0, with no loss.
+            assert torch.equal(batch.position_ids[row, offset:], torch.arange(256 - offset))
+            assert (batch.input_ids[row, offset:] == 3).all() and (batch.loss_mask[row, offset:] == 0).all()
+
+
+def test_packed_batch_is_a_pure_function_of_its_index():
+    samples = synthetic_samples()
+    source = make_source(samples, packing=True, fixed_length=256)
+    indices = [0, 2, 3, 7, 5]  # crosses the epoch boundary
+    assert source.num_batches_per_epoch < 7
+    for i in reversed(indices):  # a fresh object, resuming out of order
+        again, first = make_source(samples, packing=True, fixed_length=256).batch(i), source.batch(i)
+        assert again.sample_ids == first.sample_ids
+        for field in ("input_ids", "loss_mask", "position_ids"):
+            assert torch.equal(getattr(again, field), getattr(first, field))
+    other_seed = make_source(samples, packing=True, fixed_length=256, seed=8)
+    assert epoch_rows(other_seed, 0) != epoch_rows(source, 0)
+
+
+def test_packing_fills_rows():
+    samples = synthetic_samples(count=400)  # 5..150 tokens
+    padded = make_source(samples, fixed_length=512)
+    windows = {rows: make_source(samples, fixed_length=512, packing=True, pack_window_rows=rows) for rows in (1, 64)}
+    assert windows[64].padding_fraction() < 0.05 and padded.padding_fraction() > 0.7
+    assert windows[64].padding_fraction() < windows[1].padding_fraction()
+    assert windows[64].padding_fraction(epoch=3) == windows[64].padding_fraction()
+    print(f"\npadding at fixed_length=512: padded {padded.padding_fraction():.3f}, "
+          f"packed {windows[64].padding_fraction():.3f} (window of 1 row: {windows[1].padding_fraction():.3f})")
+
+
+def test_packing_needs_fixed_length_and_rejects_longer_samples():
+    with pytest.raises(ValueError, match="packing needs a fixed row length"):
+        make_source(synthetic_samples(), packing=True)
+    with pytest.raises(ValueError, match=r"has 148 tokens, more than fixed_length=147.*max_length <= 147"):
+        make_source(synthetic_samples(), packing=True, fixed_length=147)

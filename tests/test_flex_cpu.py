@@ -3,7 +3,8 @@
 CPU flex has no backward, and one compiled call with requires_grad inputs would make dynamo
 skip the function for the rest of this process, so everything here runs under no_grad on
 plain tensors, and the compile counter proves the flex path really compiled. The whole file
-uses ONE shape, so the process compiles flex once (~10-25 s on 2 cores).
+uses ONE shape and the drafter has a full and a sliding layer, so the process compiles flex
+twice (once per layer type's mask, ~10-25 s each on 2 cores), packed rows or not.
 """
 
 import pytest
@@ -15,7 +16,9 @@ from dflash_core.model import DFlashDrafter
 from tests.drafters import drafter_config
 
 B, S, N, BS, HIDDEN = 2, 40, 6, 4, 32
-TOLERANCE = dict(rtol=1e-5, atol=1e-5)  # fp32; measured max abs difference ~1.2e-7
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}  # fp32; measured max abs difference ~1.2e-7
+DOC_LENGTHS = [(12, 18, 10), (20, 15, 5)]  # per row, packed back to back (each row S tokens)
+PACKED = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in DOC_LENGTHS])
 
 
 def random_inputs(seed):
@@ -36,7 +39,8 @@ def compiles_before():
 
 @pytest.fixture(scope="module")
 def drafter():
-    cfg = drafter_config(hidden_size=HIDDEN, block_size=BS)
+    cfg = drafter_config(hidden_size=HIDDEN, block_size=BS, layer_types=["full_attention", "sliding_attention"],
+                         sliding_window=6)
     return DFlashDrafter(cfg, seed=0)
 
 
@@ -59,12 +63,48 @@ def test_flex_refuses_to_train_on_cpu():
 
 @torch.no_grad()
 def test_compiled_flex_forward_equals_sdpa(drafter, compiles_before):
-    for seed in range(3):  # changing data, one shape: must not recompile
+    for seed in range(3):  # changing data, one shape, packed or not: must not recompile
         features, embeds, anchors, keep = random_inputs(seed)
-        flex = drafter(features, embeds, anchors, keep, backend="flex")
-        sdpa = drafter(features, embeds, anchors, keep, backend="sdpa")
-        torch.testing.assert_close(flex, sdpa, **TOLERANCE)
-    assert compile_count("flex_attention") == compiles_before + 1
+        for position_ids in (None, PACKED):
+            flex = drafter(features, embeds, anchors, keep, position_ids=position_ids, backend="flex")
+            sdpa = drafter(features, embeds, anchors, keep, position_ids=position_ids, backend="sdpa")
+            torch.testing.assert_close(flex, sdpa, **TOLERANCE)
+    assert compile_count("flex_attention") == compiles_before + 2, "one graph per layer type"
+
+
+def alone_rows(ids, mask, features, anchors, keep, doc):
+    """Document `doc` of each row moved to offset 0 of an unpacked row of S tokens (padding after),
+    with the packed row's anchors in it shifted accordingly (padded to N with invalid blocks)."""
+    rows = [torch.zeros(B, S, dtype=torch.long), torch.zeros(B, S, dtype=torch.long), torch.zeros_like(features)]
+    doc_anchors, doc_keep = torch.zeros_like(anchors), torch.zeros_like(keep)
+    for r, lengths in enumerate(DOC_LENGTHS):
+        start, n = sum(lengths[:doc]), lengths[doc]
+        for out, packed in zip(rows, (ids, mask, features)):
+            out[r, :n] = packed[r, start:start + n]
+        mine = anchors[r][keep[r] & (anchors[r] >= start) & (anchors[r] < start + n)] - start
+        doc_anchors[r, :len(mine)], doc_keep[r, :len(mine)] = mine, True
+    return rows, (doc_anchors, doc_keep)
+
+
+@torch.no_grad()
+def test_packed_flex_loss_equals_its_documents_alone(drafter, compiles_before):
+    """Forward only (CPU flex has no backward); the alone rows keep the packed shape: no recompile."""
+    from dflash_core.anchors import sample_anchors
+    from dflash_core.frozen_head import FrozenTargetHead
+    from dflash_core.objective import drafter_step
+    head = FrozenTargetHead.random(50, HIDDEN, seed=0)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 49, (B, S), generator=gen)
+    mask = (torch.rand(B, S, generator=gen) < 0.8).long()
+    features = torch.randn(B, S, 2 * HIDDEN, generator=gen)
+    anchors, keep = sample_anchors(mask, N, gen, PACKED)
+    packed = drafter_step(drafter, head, ids, mask, features, position_ids=PACKED, fixed_anchors=(anchors, keep),
+                          backend="flex", chunk_blocks=N).loss_sum
+    alone = sum(drafter_step(drafter, head, *rows, fixed_anchors=doc_anchors, backend="flex",
+                             chunk_blocks=N).loss_sum
+                for rows, doc_anchors in (alone_rows(ids, mask, features, anchors, keep, doc) for doc in range(3)))
+    torch.testing.assert_close(packed, alone, **TOLERANCE)
+    assert compile_count("flex_attention") <= compiles_before + 2
 
 
 @torch.no_grad()
@@ -80,23 +120,25 @@ def test_flex_returns_zero_for_rows_without_keys(compiles_before):
     flex, sdpa = (attention.attend(q, k, v, mask) for mask in masks)
     assert torch.equal(flex[0, :, -BS:], torch.zeros_like(flex[0, :, -BS:]))
     torch.testing.assert_close(flex, sdpa, **TOLERANCE)
-    assert compile_count("flex_attention") == compiles_before + 1, "same shape"
+    assert compile_count("flex_attention") <= compiles_before + 2, "same shape as the drafter's"
 
 
 @torch.no_grad()
 def test_evaluation_recompiles_nothing_across_batches(drafter):
-    """Held-out batches with different numbers of valid anchors reuse the compiled layer (flex
-    inside): the anchor chunks must not reach the graph as slices with batch-dependent strides."""
+    """Held-out batches with different numbers of valid anchors, and packed rows, reuse the
+    compiled layer (flex inside): the anchor chunks must not reach the graph as slices with
+    batch-dependent strides, and document ids are data, not shape."""
     from dflash_core.frozen_head import FrozenTargetHead
     from dflash_core.objective import evaluate_tau
     head = FrozenTargetHead.random(50, HIDDEN, seed=0)
     gen = torch.Generator().manual_seed(0)
     counts = []
-    for supervised in (S, S // 2):   # all positions, then half: fewer anchor chunks
+    # All positions, then half (fewer anchor chunks), then packed rows.
+    for supervised, position_ids in ((S, None), (S // 2, None), (S, PACKED)):
         ids = torch.randint(0, 49, (B, S), generator=gen)
         mask = (torch.arange(S) < supervised).long().expand(B, -1)
         features = torch.randn(B, S, 2 * HIDDEN, generator=gen)
-        evaluate_tau(drafter, head, ids, mask, features, backend="flex", num_anchors=N, chunk_blocks=N,
-                     compiled=True)
+        evaluate_tau(drafter, head, ids, mask, features, position_ids=position_ids, backend="flex",
+                     num_anchors=N, chunk_blocks=N, compiled=True)
         counts.append(compile_count("drafter_layer"))
-    assert counts[1] == counts[0] > 0
+    assert counts[2] == counts[1] == counts[0] > 0

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from dflash_core.anchors import sample_anchors
 from dflash_core.frozen_head import FrozenTargetHead
@@ -40,7 +40,7 @@ class OracleDrafter(nn.Module):
         self.config, self.input_ids = config, input_ids
         self.offset = nn.Parameter(torch.zeros(()))
 
-    def forward(self, features, block_embeds, anchors, keep, *, backend, compiled):
+    def forward(self, features, block_embeds, anchors, keep, *, position_ids, backend, compiled):
         positions = anchors.unsqueeze(-1) + torch.arange(self.config.block_size)
         truth = self.input_ids.gather(1, positions.clamp(max=self.input_ids.shape[1] - 1).flatten(1))
         return 10.0 * F.one_hot(truth, VOCAB).float() + self.offset
@@ -73,6 +73,20 @@ def test_labels_slot_k_predicts_token_a_plus_k():
     assert weights[0, 0].tolist() == [0, 1, 1, 0]    # slot 0 never; loss_mask[4] = 0
     assert weights[0, 1].tolist() == [0, 1, 1, 0]    # 7 + 3 = 10 is past S
     assert weights[0, 2].tolist() == [0, 0, 0, 0]    # invalid block
+
+
+def test_labels_never_cross_a_document_boundary():
+    input_ids = torch.arange(100, 110).unsqueeze(0)                  # S = 10
+    loss_mask = torch.ones(1, 10, dtype=torch.long)
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1]])      # documents 0..4, 5..7, 8..9
+    anchors, keep = torch.tensor([[2, 5, 6]]), torch.tensor([[True, True, True]])
+    labels, weights = block_labels(input_ids, loss_mask, anchors, keep, BS, position_ids)
+    assert labels[0, 0].tolist() == [102, 103, 104, 105]              # labels themselves unchanged
+    assert weights[0].tolist() == [[0, 1, 1, 0],                       # 5 opens the next document
+                                   [0, 1, 1, 0],                       # 8 opens the third
+                                   [0, 1, 0, 0]]
+    _, unpacked = block_labels(input_ids, loss_mask, anchors, keep, BS)
+    assert unpacked[0].tolist() == [[0, 1, 1, 1]] * 3
 
 
 def test_step_with_an_oracle_drafter_hits_every_label():
