@@ -77,6 +77,7 @@ class Job:
     compile: CompilePlan
     schedule: Schedule
     tokenizer_dir: Path
+    packing: bool                # several whole conversations per fixed-length training row
 
 
 # ----------------------------------------------------------------------------------- paths
@@ -160,6 +161,22 @@ def compile_plan(cfg: DictConfig, backend: str) -> CompilePlan:
     return CompilePlan(compiled, (cfg.train.micro_batch_size, cfg.data.fixed_length) if warm_up else None)
 
 
+def packing(cfg: DictConfig, hf_config) -> bool:
+    """data.packing, or by default: on whenever rows have one fixed length; refused (naming why) for
+    a target whose packed capture is not exact."""
+    from dflash_core.families import packing_supported
+    wanted = cfg.data.fixed_length is not None if cfg.data.packing is None else bool(cfg.data.packing)
+    if wanted and cfg.data.fixed_length is None:
+        raise ConfigError("data.packing=True: needs data.fixed_length (the row length documents are packed into)")
+    supported, why = packing_supported(hf_config)
+    if wanted and not supported:
+        if cfg.data.packing:
+            raise ConfigError(f"data.packing=True: {why}; set data.packing=false")
+        log.warning("packing is off for this target: %s", why)
+        return False
+    return wanted
+
+
 def schedule(cfg: DictConfig, topology: Topology) -> Schedule:
     evaluates = cfg.data.eval_fraction > 0 and cfg.train.eval_batches > 0
     return Schedule(steps=cfg.train.steps, num_units=topology.num_units, num_drafters=topology.num_drafters,
@@ -193,4 +210,5 @@ def resolve(cfg: DictConfig, topology: Topology, device: torch.device) -> Job:
                         dtype=compute_dtype(cfg.target.dtype, device), parallel=cfg.target.parallel,
                         tp_size=cfg.target.tp_size, random_weights=cfg.target.random_weights)
     return Job(cfg=cfg, topology=topology, device=device, target=target, drafter=dcfg, step=step,
-               compile=plan, schedule=schedule(cfg, topology), tokenizer_dir=tokenizer_dir(cfg))
+               compile=plan, schedule=schedule(cfg, topology), tokenizer_dir=tokenizer_dir(cfg),
+               packing=packing(cfg, hf_config))

@@ -19,8 +19,9 @@ def _payload(index: int):
     ids = torch.arange(12).view(3, 4) + index
     mask = (ids % 2).long()
     # A transposed (non-contiguous) view: gloo would raise on it if the sender did not copy.
+    positions = torch.tensor([0, 1, 0, 1]).repeat(3, 1) + index   # a packed row: documents of two tokens
     hidden = (torch.arange(3 * 4 * 6, dtype=torch.float32).view(6, 4, 3).transpose(0, 2) + index).to(torch.bfloat16)
-    return ids, mask, hidden
+    return ids, mask, positions, hidden
 
 
 def _worker(rank: int, store_dir: str, scenario: str) -> None:
@@ -31,9 +32,9 @@ def _worker(rank: int, store_dir: str, scenario: str) -> None:
         sender = Sender(torch.device("cpu"), max_in_flight=1)
         order = {"ok": items, "wrong_order": items[1:2], "early_eos": items[:1]}[scenario]
         for item in order:
-            ids, mask, hidden = _payload(item.index)
+            ids, mask, positions, hidden = _payload(item.index)
             sender.announce(1, item, ids, hidden.shape[-1], hidden.dtype, num_tokens=int(mask.sum()))
-            sender.send(1, item, ids, mask, hidden)
+            sender.send(1, item, ids, mask, positions, hidden)
         if scenario != "wrong_order":
             sender.close([1])
         # Stay up until the receiver has its verdict: exiting would reset the connection under it.
@@ -45,9 +46,10 @@ def _worker(rank: int, store_dir: str, scenario: str) -> None:
         try:
             receiver = Receiver(iter(items), lambda unit: 0, torch.device("cpu"), torch.device("cpu"))
             for payload in receiver:
-                ids, mask, hidden = _payload(payload.item.index)
+                ids, mask, positions, hidden = _payload(payload.item.index)
                 batch = payload.batch
                 assert torch.equal(batch.input_ids, ids) and torch.equal(batch.loss_mask, mask)
+                assert torch.equal(batch.position_ids, positions)
                 assert torch.equal(batch.hidden, hidden) and batch.num_tokens == int(mask.sum())
             receiver.close([0])
             verdict = f"ok {receiver.received}"

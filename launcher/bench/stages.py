@@ -150,7 +150,8 @@ def drafter_stage(job, seqs, *, work: Path, warmup: int, steps: int, ceiling: fl
                 ids = torch.randint(0, min(dcfg.mask_token_id, 1024), (1, seq_len), device=device, generator=gen)
                 hidden = torch.randn(1, seq_len, job.target.feature_width, device=device, dtype=torch.bfloat16,
                                      generator=gen)
-                return FeatureBatch(0, ids, torch.ones(1, seq_len, dtype=torch.long, device=device), hidden, seq_len)
+                return FeatureBatch(0, ids, torch.ones_like(ids), torch.arange(seq_len, device=device).unsqueeze(0),
+                                    hidden, seq_len)
             batches = [random_batch() for _ in range(2)]
 
             def step():

@@ -18,7 +18,7 @@ from launcher.distributed.schedule import Item
 
 HEADER_LEN = 10
 HIDDEN_DTYPE = torch.bfloat16  # hidden states travel in bf16 whatever the target computes in
-_VERSION = 1
+_VERSION = 2  # 2: position ids travel with every item
 _EOS = -1
 _DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -43,6 +43,7 @@ class FeatureBatch:
     index: int                # global micro-batch index in its source (seeds the anchors)
     input_ids: torch.Tensor   # [B, S] int64
     loss_mask: torch.Tensor   # [B, S] int64
+    position_ids: torch.Tensor  # [B, S] int64, restarting at 0 at every document of a packed row
     hidden: torch.Tensor      # [B, S, L*H] target features
     num_tokens: int           # non-padding tokens
 
@@ -83,8 +84,8 @@ class Sender:
         self._in_flight.append(self._post(dst, [header]))
 
     def send(self, dst: int, item: Item, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-             hidden: torch.Tensor) -> None:
-        self._in_flight.append(self._post(dst, [input_ids, loss_mask, hidden]))
+             position_ids: torch.Tensor, hidden: torch.Tensor) -> None:
+        self._in_flight.append(self._post(dst, [input_ids, loss_mask, position_ids, hidden]))
         self.sent.append(item.seq)
         # Each item is two entries (header, payload).
         while len(self._in_flight) > 2 * self.max_in_flight:
@@ -134,8 +135,7 @@ class Receiver:
         if (seq, kind, index, step) != (item.seq, item.kind, item.index, item.step):
             raise ChannelError(f"rank {src} sent item seq={seq} kind={kind} index={index} step={step}, "
                                f"expected {item}")
-        tensors = [torch.empty(b, s, dtype=torch.int64, device=self.comm_device),
-                   torch.empty(b, s, dtype=torch.int64, device=self.comm_device),
+        tensors = [*(torch.empty(b, s, dtype=torch.int64, device=self.comm_device) for _ in range(3)),
                    torch.empty(b, s, width, dtype=_DTYPES[dtype_code], device=self.comm_device)]
         works = [dist.irecv(t, src) for t in tensors]
         return item, tensors, works, num_tokens
@@ -153,8 +153,8 @@ class Receiver:
         nxt = next(self._items, None)
         self._pending = self._post(nxt) if nxt is not None else None
         self.received.append(item.seq)
-        input_ids, loss_mask, hidden = (t.to(self.device, non_blocking=True) for t in tensors)
-        return Payload(item, FeatureBatch(item.index, input_ids, loss_mask, hidden, num_tokens))
+        input_ids, loss_mask, position_ids, hidden = (t.to(self.device, non_blocking=True) for t in tensors)
+        return Payload(item, FeatureBatch(item.index, input_ids, loss_mask, position_ids, hidden, num_tokens))
 
     def close(self, unit_leaders: list[int]) -> None:
         """Every unit ends with an EOS header to every drafter: read them so no send is left hanging."""

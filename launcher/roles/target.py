@@ -43,11 +43,12 @@ def build_sources(job: Job) -> tuple[MicroBatchSource, MicroBatchSource | None, 
     stats.update(train_samples=len(train), eval_samples=len(held_out))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-    def source(subset):
+    def source(subset, packing):
         return MicroBatchSource(subset, micro_batch_size=cfg.train.micro_batch_size, seed=cfg.run.seed,
                                 pad_token_id=pad_id, length_multiple=cfg.data.length_multiple,
-                                fixed_length=cfg.data.fixed_length)
-    return source(train), (source(held_out) if held_out else None), stats
+                                fixed_length=cfg.data.fixed_length, packing=packing)
+    # Held-out evaluation stays per conversation (unpacked), so its tau is comparable across settings.
+    return source(train, job.packing), (source(held_out, False) if held_out else None), stats
 
 
 def load_capturing_target(ctx: Context) -> CapturingTarget:
@@ -100,17 +101,19 @@ def run_target(ctx: Context) -> dict:
     for item in job.schedule.items_for_unit(unit, ctx.start_step):
         maybe_fail(ctx.cfg.fault, ctx.rank, item.step)
         t0 = time.perf_counter()
-        batch = (train_source if item.kind == TRAIN else eval_source).batch(item.index)
-        num_tokens = int((batch.input_ids != train_source.pad_token_id).sum())
+        source = train_source if item.kind == TRAIN else eval_source
+        batch = source.batch(item.index)
+        num_tokens = sum(source.lengths[sid] for row in batch.sample_ids for sid in row)
         dst = topo.drafter_rank(item.drafter)
         if is_leader:
             sender.announce(dst, item, batch.input_ids, width, HIDDEN_DTYPE, num_tokens)
         t1 = time.perf_counter()
-        hidden = target.capture(batch.input_ids.to(ctx.device)).to(HIDDEN_DTYPE)
+        positions = batch.position_ids.to(ctx.device) if job.packing and item.kind == TRAIN else None
+        hidden = target.capture(batch.input_ids.to(ctx.device), position_ids=positions).to(HIDDEN_DTYPE)
         _sync(ctx.device)
         t2 = time.perf_counter()
         if is_leader:
-            sender.send(dst, item, batch.input_ids, batch.loss_mask, hidden)
+            sender.send(dst, item, batch.input_ids, batch.loss_mask, batch.position_ids, hidden)
             seq_log.write("sent", item)
         data_s += t1 - t0
         forward_s += t2 - t1

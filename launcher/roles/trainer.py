@@ -81,6 +81,7 @@ class DrafterTrainer:
             last = a == len(batches) - 1
             with (contextlib.nullcontext() if last else self.model.no_sync()), self.autocast():
                 out = drafter_step(self.model, self.head, batch.input_ids, batch.loss_mask, batch.hidden,
+                                   position_ids=batch.position_ids,
                                    generator=anchor_generator(self.device, self.job.cfg.run.seed, batch.index),
                                    **self.step_kwargs)
                 out.loss_sum.backward()
@@ -109,16 +110,17 @@ class DrafterTrainer:
         start = time.perf_counter()
         generator = torch.Generator(device=self.device).manual_seed(0)
         ids = torch.randint(0, self.dcfg.mask_token_id, (rows, seq_len), generator=generator, device=self.device)
-        mask = torch.ones(rows, seq_len, dtype=torch.long, device=self.device)
         hidden = torch.randn(rows, seq_len, self.dcfg.num_features * self.dcfg.hidden_size, generator=generator,
                              device=self.device).to(HIDDEN_DTYPE)
+        batch = FeatureBatch(0, ids, torch.ones_like(ids), torch.arange(seq_len, device=self.device).expand(rows, -1),
+                             hidden, ids.numel())
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             with self.model.no_sync(), self.autocast():
-                drafter_step(self.model, self.head, ids, mask, hidden, generator=generator,
-                             **self.step_kwargs).loss_sum.backward()
+                drafter_step(self.model, self.head, batch.input_ids, batch.loss_mask, batch.hidden,
+                             position_ids=batch.position_ids, generator=generator, **self.step_kwargs).loss_sum.backward()
             self.optimizer.zero_grad(set_to_none=True)
             if evaluates:
-                self._evaluate_local(FeatureBatch(0, ids, mask, hidden, ids.numel()))
+                self._evaluate_local(batch)
         return time.perf_counter() - start
 
     @torch.no_grad()
@@ -126,7 +128,7 @@ class DrafterTrainer:
         self.drafter.eval()
         with self.autocast():
             counts = evaluate_tau(self.drafter, self.head, batch.input_ids, batch.loss_mask, batch.hidden,
-                                  backend=self.job.step.backend, num_anchors=self.job.step.num_anchors,
+                                  position_ids=batch.position_ids, backend=self.job.step.backend, num_anchors=self.job.step.num_anchors,
                                   chunk_blocks=self.job.step.chunk_blocks, compiled=self.job.step.compiled)
         self.drafter.train()
         return counts
