@@ -10,6 +10,7 @@ layer) is reported *after* the final norm, so the norm is kept when that layer i
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import logging
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .compile import compiled_function
 from .families import (
     TargetError,
     decoder_of,
@@ -75,10 +77,21 @@ def _without_load_report():
         logger.removeFilter(report_filter)
 
 
-class CapturingTarget:
-    """A frozen, truncated target decoder that returns the selected layers' hidden states."""
+def _run_layer(layer, forward, *args, **kwargs):
+    return forward(layer, *args, **kwargs)
 
-    def __init__(self, decoder: nn.Module, config, layer_ids: list[int]):
+
+# One graph per decoder-layer class, shared by every layer (dynamo inlines the module, so its
+# weights are graph inputs): norms, RoPE, the MLP's SiLU and the residuals fuse around the GEMMs.
+_compiled_run_layer = compiled_function("target_layer", _run_layer)
+
+
+class CapturingTarget:
+    """A frozen, truncated target decoder that returns the selected layers' hidden states.
+    compiled: each decoder layer's forward runs through torch.compile (static shapes: the rows
+    of a run have one length); the capture hooks stay outside the compiled code."""
+
+    def __init__(self, decoder: nn.Module, config, layer_ids: list[int], *, compiled: bool = False):
         self.decoder = decoder
         self.config = config  # the full target's config (composite or text-only), before truncation
         self.family = family_of(config)
@@ -96,6 +109,12 @@ class CapturingTarget:
                 mixer = getattr(layer, self.family.recurrent_mixer, None)
                 if mixer is not None:
                     self._regrouping.attach(mixer)
+        if compiled:
+            if self.family.recurrent_mixer:
+                raise TargetError(f"a compiled {self.family.name} target is not supported: its per-document "
+                                  f"{self.family.recurrent_mixer} regrouping has data-dependent shapes")
+            for layer in decoder.layers:
+                layer.forward = functools.partial(_compiled_run_layer, layer, type(layer).forward)
 
     def _recorder(self, layer_id: int):
         def record(module, args, output):
@@ -152,7 +171,7 @@ class CapturingTarget:
 
 
 def load_target(path, *, layer_ids, device="cpu", dtype=torch.bfloat16,
-                attn_implementation: str | None = None) -> CapturingTarget:
+                attn_implementation: str | None = None, compiled: bool = False) -> CapturingTarget:
     """Load a Hugging Face causal LM of a supported family (dflash_core.families) as a frozen
     feature extractor.
 
@@ -180,10 +199,11 @@ def load_target(path, *, layer_ids, device="cpu", dtype=torch.bfloat16,
     if info["missing_keys"]:
         raise TargetError(f"{path}: the checkpoint lacks weights the model needs: {sorted(info['missing_keys'])[:8]}")
 
-    return _capturing(model, config, layer_ids, device, source=str(path))
+    return _capturing(model, config, layer_ids, device, source=str(path), compiled=compiled)
 
 
-def random_target(config, *, layer_ids, device="cpu", dtype=torch.bfloat16, seed: int = 0) -> CapturingTarget:
+def random_target(config, *, layer_ids, device="cpu", dtype=torch.bfloat16, seed: int = 0,
+                  compiled: bool = False) -> CapturingTarget:
     """The target's exact shapes with random weights, built on `device` without reading a checkpoint:
     for benchmarks, whose speed does not depend on weight values."""
     from transformers import AutoModelForCausalLM
@@ -193,14 +213,14 @@ def random_target(config, *, layer_ids, device="cpu", dtype=torch.bfloat16, seed
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(truncated_config(config, max(layer_ids) + 1), dtype=dtype)
-    return _capturing(model, config, layer_ids, device, source=f"random {config.model_type}")
+    return _capturing(model, config, layer_ids, device, source=f"random {config.model_type}", compiled=compiled)
 
 
-def _capturing(model, config, layer_ids: list[int], device, *, source: str) -> CapturingTarget:
+def _capturing(model, config, layer_ids: list[int], device, *, source: str, compiled: bool) -> CapturingTarget:
     decoder = decoder_of(model, source=source)
     if max(layer_ids) + 1 < num_layers_of(config):
         decoder.norm = nn.Identity()  # the truncated stack's output is a raw layer output, never normed
     decoder.requires_grad_(False).eval().to(device)
     for note in kernel_notes(decoder.config):
         log.warning("target %s: %s", source, note)
-    return CapturingTarget(decoder, config, layer_ids)
+    return CapturingTarget(decoder, config, layer_ids, compiled=compiled)

@@ -141,7 +141,8 @@ def _pretrain(model, tokenizer, *, steps: int, seed: int, batch_size: int = 16, 
     return float(loss.detach())
 
 
-def build_tiny_target(out_dir, *, seed: int = 0, family: str = DEFAULT_FAMILY, pretrain_steps: int | None = None) -> Path:
+def build_tiny_target(out_dir, *, seed: int = 0, family: str = DEFAULT_FAMILY,
+                      pretrain_steps: int | None = None) -> Path:
     """Build a tiny target of `family` into out_dir (tokenizer + model), or return it if already built.
 
     pretrain_steps None: the embedded qwen3 default is fitted to the bundled chats

@@ -49,7 +49,8 @@ def validate(cfg: DictConfig) -> None:
 def input_path(cfg: DictConfig) -> Path:
     paths = dataset_paths(cfg.regenerate.input, "regenerate.input")
     if len(paths) != 1:
-        raise ConfigError(f"regenerate.input={cfg.regenerate.input!r}: names {len(paths)} files; regenerate one at a time")
+        raise ConfigError(f"regenerate.input={cfg.regenerate.input!r}: names {len(paths)} files; "
+                          f"regenerate one at a time")
     return paths[0]
 
 

@@ -62,8 +62,9 @@ class StepSettings:
 
 @dataclass(frozen=True)
 class CompilePlan:
-    compiled: bool                                # layers and head loss through torch.compile
+    compiled: bool                                # drafter layers and head loss through torch.compile
     warm_up_shape: tuple[int, int] | None         # (rows, length) compiled before the stream starts
+    target_compiled: bool                         # the target's decoder layers through torch.compile
 
 
 @dataclass(frozen=True)
@@ -151,14 +152,26 @@ def tokenizer_dir(cfg: DictConfig) -> Path:
     return Path(cfg.data.tokenizer) if cfg.data.tokenizer else target_dir(cfg)
 
 
-def compile_plan(cfg: DictConfig, backend: str) -> CompilePlan:
+def compile_plan(cfg: DictConfig, backend: str, device: torch.device, hf_config) -> CompilePlan:
     """Compile the drafter (auto: the flex backend at one static length, data.fixed_length; varying
     lengths would compile once per length) and warm it up for that shape before the stream (auto:
-    whenever the length is static), so no target waits on a first-step compilation."""
+    whenever the length is static), so no target waits on a first-step compilation. Compile the
+    target's layers (auto: on GPU at a static length, unless the family has recurrent layers whose
+    per-document regrouping has data-dependent shapes)."""
+    from dflash_core.families import family_of
     static = cfg.data.fixed_length is not None
     compiled = backend == "flex" and static if cfg.drafter.compile == "auto" else bool(cfg.drafter.compile)
     warm_up = static if cfg.run.warm_up == "auto" else bool(cfg.run.warm_up) and static
-    return CompilePlan(compiled, (cfg.train.micro_batch_size, cfg.data.fixed_length) if warm_up else None)
+    recurrent = family_of(hf_config).recurrent_mixer is not None
+    if cfg.target.compile == "auto":
+        target_compiled = device.type == "cuda" and static and not recurrent
+    elif cfg.target.compile and recurrent:
+        raise ConfigError(f"target.compile=True: not for the {family_of(hf_config).name} family (its recurrent "
+                          f"layers are regrouped per document with data-dependent shapes); use auto or false")
+    else:
+        target_compiled = bool(cfg.target.compile)
+    return CompilePlan(compiled, (cfg.train.micro_batch_size, cfg.data.fixed_length) if warm_up else None,
+                       target_compiled)
 
 
 def packing(cfg: DictConfig, hf_config) -> bool:
@@ -200,7 +213,7 @@ def resolve(cfg: DictConfig, topology: Topology, device: torch.device) -> Job:
     hf_config = AutoConfig.from_pretrained(path)
     dcfg = drafter_config(cfg, hf_config)
     backend = resolve_backend(cfg.drafter.backend, device)
-    plan = compile_plan(cfg, backend)
+    plan = compile_plan(cfg, backend, device, hf_config)
     d = cfg.drafter
     step = StepSettings(num_anchors=d.num_anchors, loss_type=d.loss,
                         gamma=d.gamma if d.gamma is not None else default_gamma(d.block_size), alpha=d.dpace_alpha,

@@ -3,6 +3,7 @@ per GPU or CPU slot; `dflash-train` is the same command)."""
 from __future__ import annotations
 
 import logging
+import os
 
 USAGE = """\
 Usage: torchrun --standalone --nproc-per-node N -m launcher.train [key=value ...]
@@ -17,20 +18,24 @@ Examples:
 def run(overrides: list[str]) -> int:
     from launcher.cli import die_with_parent
     from launcher.config import compose_config
+    from launcher.distributed.isolation import bind_local_gpu
     from launcher.distributed.startup import ProcessEnv
     from launcher.distributed.topology import parse_topology
     from launcher.resolve import check_combinations
     from launcher.run_io.rundir import setup_logging
 
     die_with_parent()
-    env = ProcessEnv.from_environ()
-    setup_logging(f"rank{env.rank}", logging.WARNING)
+    setup_logging(f"rank{os.environ.get('RANK', 0)}", logging.WARNING)
     cfg = compose_config(overrides)
+    # Before anything initialises CUDA.
+    node_gpus = 0 if cfg.run.device == "cpu" else bind_local_gpu(int(os.environ.get("LOCAL_RANK", 0)))
+    env = ProcessEnv.from_environ(node_gpus)
     check_combinations(cfg)
     topo = parse_topology(cfg.topology, env.world, cfg.target.tp_size)
     setup_logging(f"{topo.role(env.rank)}{env.rank}", logging.WARNING)
 
     import torch.distributed as dist
+
     from launcher.distributed.startup import start_process
     from launcher.run_io.metrics import MetricsSink
     ctx = start_process(cfg, overrides, topo, env)

@@ -7,13 +7,17 @@ import sys
 
 import pytest
 
-from launcher.bench.report import format_table
-from launcher.bench.counts import (balance_advice, drafter_step_flops, drafter_step_flops_breakdown,
-                                   drafter_step_min_bytes, target_forward_flops)
 from dflash_core.model import DrafterConfig
+from launcher.bench.counts import (
+    balance_advice,
+    drafter_step_flops,
+    drafter_step_flops_breakdown,
+    drafter_step_min_bytes,
+    target_forward_flops,
+)
+from launcher.bench.report import format_table
 from tests.drafters import drafter_config, qwen3_8b_drafter_config
 from tests.launching import REPO
-
 
 
 def toy_config():
@@ -100,8 +104,8 @@ def test_format_table_lists_every_row():
 def _baseline_spec(tiny_target_dir, tmp_path, **overrides):
     import dataclasses
 
-    from launcher.bench.inputs import write_bench_target
     from dflash_core.tiny import MODEL_SHAPE
+    from launcher.bench.inputs import write_bench_target
     target = write_bench_target(tmp_path / "target", {**MODEL_SHAPE, "vocab_size": 1088}, tiny_target_dir)
     from transformers import AutoConfig
     cfg = DrafterConfig.from_target(AutoConfig.from_pretrained(target), num_layers=1, block_size=4,

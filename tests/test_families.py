@@ -211,7 +211,8 @@ def test_real_shapes_build_their_family(shape, family, layer_ids):
 
 def test_unsupported_family_is_named(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
-    GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=2, n_positions=64)).save_pretrained(tmp_path)
+    config = GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=2, n_positions=64)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path)
     with pytest.raises(TargetError, match="unsupported target model_type 'gpt2'.*qwen3_5_moe"):
         load_target(tmp_path, layer_ids=[0], dtype=torch.float32)
 

@@ -56,5 +56,5 @@ def test_topology_not_fitting_world_fails_fast_on_every_rank(tmp_path):
     assert proc.returncode != 0
     assert elapsed < 30, elapsed
     for rank in (0, 1):
-        line = next(l for l in proc.stderr.splitlines() if f"[rank{rank}]" in l and "ERROR" in l)
+        line = next(text for text in proc.stderr.splitlines() if f"[rank{rank}]" in text and "ERROR" in text)
         assert "topology=t1d2" in line and "WORLD_SIZE=2" in line, line

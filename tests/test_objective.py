@@ -10,8 +10,7 @@ from torch import nn
 from dflash_core.anchors import sample_anchors
 from dflash_core.frozen_head import FrozenTargetHead
 from dflash_core.model import DFlashDrafter
-from dflash_core.objective import (block_input_ids, block_labels, default_gamma, drafter_step,
-                                   evaluate_tau, loss_weights)
+from dflash_core.objective import block_input_ids, block_labels, default_gamma, drafter_step, evaluate_tau, loss_weights
 from tests.drafters import drafter_config
 
 VOCAB, HIDDEN, BS, MASK_ID = 40, 32, 4, 39

@@ -46,13 +46,15 @@ def test_prompt_is_the_conversation_before_the_last_assistant_turn():
 def test_torn_part_line_is_dropped_and_merge_keeps_input_order(tmp_path):
     parts = tmp_path / "out.jsonl.parts"
     parts.mkdir()
-    line = lambda i: json.dumps({"index": i, "record": {"id": i}}) + "\n"
+    def line(i):
+        return json.dumps({"index": i, "record": {"id": i}}) + "\n"
+
     (parts / "rank00000.jsonl").write_text(line(2) + line(0) + '{"index": 4, "rec')  # killed mid-write
     (parts / "rank00001.jsonl").write_text(line(1))
     assert set(read_part(parts / "rank00000.jsonl")) == {0, 2}
     assert (parts / "rank00000.jsonl").read_text() == line(2) + line(0)      # ready to append to again
     assert merge_parts(parts, 2, 5, tmp_path / "out.jsonl") == 3
-    assert [json.loads(l)["id"] for l in (tmp_path / "out.jsonl").read_text().splitlines()] == [0, 1, 2]
+    assert [json.loads(text)["id"] for text in (tmp_path / "out.jsonl").read_text().splitlines()] == [0, 1, 2]
 
 
 # ----------------------------------------------------------------------------- multi-process

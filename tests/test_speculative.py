@@ -14,8 +14,8 @@ from dflash_core.frozen_head import FrozenTargetHead
 from dflash_core.model import DFlashDrafter, DrafterConfig
 from dflash_core.speculative import DrafterCache, greedy_decode, speculative_generate
 from dflash_core.tiny import first_unused_token_id
-from launcher.run_io import checkpoint
 from launcher.evaluate import load_drafter
+from launcher.run_io import checkpoint
 from tests.drafters import drafter_config
 from tests.launching import REPO
 

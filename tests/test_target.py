@@ -106,3 +106,18 @@ def test_truncated_forward_is_faster(tiny_target_dir):
     capture_time = best_of(lambda: target.capture(tokens))
     print(f"\nfull forward with output_hidden_states: {full_time * 1e3:.1f} ms; "
           f"truncated capture of layer 0: {capture_time * 1e3:.1f} ms ({full_time / capture_time:.1f}x faster)")
+
+
+def test_compiled_capture_equals_eager_unpacked_and_packed(tiny_target_dir, input_ids):
+    """target.compile: each layer through one compiled graph; the same features, one graph for all
+    layers and batches (static shape), packed rows included."""
+    from dflash_core.compile import compile_count
+    eager = load_target(tiny_target_dir, layer_ids=[0, 2], device="cpu", dtype=torch.float32)
+    compiled = load_target(tiny_target_dir, layer_ids=[0, 2], device="cpu", dtype=torch.float32, compiled=True)
+    packed_positions = torch.cat([torch.arange(20), torch.arange(28)]).expand(2, -1)
+    before = compile_count("target_layer")
+    for positions in (None, packed_positions, packed_positions):
+        want = eager.capture(input_ids, position_ids=positions)
+        got = compiled.capture(input_ids, position_ids=positions)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert 1 <= compile_count("target_layer") - before <= 2   # unpacked (no mask) and packed (a mask) inputs

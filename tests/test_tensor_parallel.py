@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from tests.launching import REPO
 
 LAYER_IDS = [0, 2, 3]  # 3 is the last layer: captured after the final norm, which stays replicated

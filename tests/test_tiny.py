@@ -10,7 +10,6 @@ from dflash_core.tiny import BUNDLED_DATASET, build_tiny_target, first_unused_to
 from tests.launching import REPO
 
 
-
 def test_build_loads_back_as_a_qwen3_checkpoint(tiny_target_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_target_dir)

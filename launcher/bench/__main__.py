@@ -29,8 +29,7 @@ import torch
 from launcher.bench.counts import SHAPES, balance_advice
 from launcher.bench.inputs import run_overrides, write_bench_target, write_synthetic_data
 from launcher.bench.report import fmt, format_table
-from launcher.bench.stages import (REPO, baseline_stage, drafter_stage, e2e_stage, matmul_ceiling, progress,
-                                   target_stage)
+from launcher.bench.stages import REPO, baseline_stage, drafter_stage, e2e_stage, matmul_ceiling, progress, target_stage
 
 GPU_DEFAULTS = dict(seq="2048,4096", steps=10, warmup=3, e2e_steps=40, baseline_steps=20, anchors=512,
                     e2e_timeout=240, baseline_timeout=200)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from launcher.bench.counts import QWEN3_MASK_TOKEN_ID
 
+
 def write_bench_target(out_dir: Path, shape: dict, tokenizer_src: Path) -> Path:
     """A target directory with only config.json (the bench shape) and a tokenizer: enough for
     target.random_weights=true. The tiny tokenizer's ids are < 1024, so they fit any vocabulary."""

@@ -123,6 +123,7 @@ def drafter_stage(job, seqs, *, work: Path, warmup: int, steps: int, ceiling: fl
     from datetime import timedelta
 
     import torch.distributed as dist
+
     from dflash_core.compile import compile_count
     from launcher.distributed.channel import FeatureBatch
     from launcher.roles.trainer import DrafterTrainer

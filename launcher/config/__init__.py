@@ -63,7 +63,8 @@ def _violation(value, rules: dict) -> str | None:
     if value is None:
         return None
     if "choices" in rules and value not in rules["choices"]:
-        return "must be one of " + ", ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in rules["choices"])
+        names = (str(c).lower() if isinstance(c, bool) else str(c) for c in rules["choices"])
+        return "must be one of " + ", ".join(names)
     bounds = [("ge", lambda a, b: a >= b, ">="), ("gt", lambda a, b: a > b, ">"),
               ("le", lambda a, b: a <= b, "<="), ("lt", lambda a, b: a < b, "<")]
     for name, holds, symbol in bounds:

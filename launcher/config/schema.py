@@ -44,6 +44,8 @@ class TargetSettings:
                          choices=("replicate", "tensor"))
     tp_size: int = knob(1, "ranks per tensor-parallel target unit (target.parallel=tensor)", ge=1)
     random_weights: bool = knob(False, "benchmarks: the checkpoint's shapes with random weights (no weights read)")
+    compile: Any = knob("auto", "torch.compile the target's layers: auto (on GPU at data.fixed_length, families "
+                                "without recurrent layers)", choices=AUTO_BOOL)
 
 
 @dataclass
@@ -66,7 +68,8 @@ class DrafterSettings:
     feature_noise_std: float = knob(0.0, "Gaussian noise std added to the target features", ge=0)
     hidden_size: Optional[int] = knob(None, "null: the target's (a drafter must match it)", ge=1)
     intermediate_size: Optional[int] = knob(None, "null: the target's", ge=1)
-    layer_types: Optional[list] = knob(None, "null: all full_attention; or full_attention | sliding_attention per layer")
+    layer_types: Optional[list] = knob(None, "null: all full_attention; or full_attention | sliding_attention "
+                                             "per layer")
     sliding_window: Optional[int] = knob(None, "window of sliding_attention layers", ge=1)
 
 
@@ -146,7 +149,8 @@ class IsolationSettings:
 @dataclass
 class MetricsSettings:
     trackers: list = knob(["tensorboard"], "where the lead drafter logs besides metrics.jsonl: "
-                                           "tensorboard | mlflow | wandb", each=dict(choices=("tensorboard", "mlflow", "wandb")))
+                                           "tensorboard | mlflow | wandb",
+                          each={"choices": ("tensorboard", "mlflow", "wandb")})
     project: str = knob("dflash", "experiment / project name for mlflow and wandb")
 
 

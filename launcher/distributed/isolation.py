@@ -5,7 +5,10 @@ per thread since torch 2.12, so they are set here, in the main thread of the wor
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +31,23 @@ def _usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def bind_local_gpu(local_rank: int) -> int:
+    """Give this process its node-local GPU as its only visible device (cuda:0), before anything
+    initialises CUDA, and return how many GPUs the node shows. Every process then compiles for
+    `cuda:0`: inductor's cache keys include the device index, so kernels compiled by any rank (or
+    any earlier run) are found by every other, whatever GPU it runs on. Ranks beyond the GPU count
+    share GPUs round-robin. With no GPU (or no NVML to count them) nothing changes."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [entry.strip() for entry in visible.split(",") if entry.strip()]
+    else:
+        count = torch.cuda._device_count_nvml() if hasattr(torch.cuda, "_device_count_nvml") else -1
+        ids = [str(i) for i in range(max(count, 0))]
+    if ids:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ids[local_rank % len(ids)]
+    return len(ids)
+
+
 def isolate(role: str, rank: int, local_world: int, cache_root: Path, device: torch.device,
             recompile_limit: int, compile_threads: int | str) -> Isolation:
     cache_dir = Path(cache_root).resolve() / f"{role}{rank}"
@@ -46,3 +66,53 @@ def isolate(role: str, rank: int, local_world: int, cache_root: Path, device: to
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return Isolation(os.getpid(), cache_dir, threads, inductor_config.compile_threads, device)
+
+
+class CompileShare:
+    """Compiled artefacts (torch.compiler's cache artefacts: graphs, AOT code, Triton kernels) that one
+    drafter per node builds and publishes as one file, which the node's other drafters, and later
+    runs with the same compile settings on any GPU index, load into their OWN cache dirs before they
+    compile. No two processes ever write one cache: the file is written atomically by its builder
+    and only read by the others."""
+
+    def __init__(self, cache_root: Path, key: dict):
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
+        self.path = Path(cache_root) / "shared" / f"drafter-{digest}.bin"
+
+    def load(self) -> bool:
+        """Load the published artefacts into this process's caches; False when there are none."""
+        try:
+            blob = self.path.read_bytes()
+        except FileNotFoundError:
+            return False
+        if blob:   # empty: the builder had nothing to share (caching off); nothing to wait for either
+            torch.compiler.load_cache_artifacts(blob)
+        return True
+
+    def wait_and_load(self, timeout_s: float, poll_s: float = 0.5) -> bool:
+        """A non-builder waits for the builder's file (bounded by the start-up timeout)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.load():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(poll_s)
+        return True
+
+    def publish(self) -> Path:
+        """Write what this process compiled since it started (the builder, after its warm-up)."""
+        saved = torch.compiler.save_cache_artifacts()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(saved[0] if saved is not None else b"")
+        os.replace(tmp, self.path)
+        return self.path
+
+
+def source_digest(*packages: Path) -> str:
+    """A hash of the Python sources that decide what gets compiled (stale artefacts would load but
+    miss, silently costing a cold compile)."""
+    digest = hashlib.sha256()
+    for package in packages:
+        for file in sorted(Path(package).rglob("*.py")):
+            digest.update(file.read_bytes())
+    return digest.hexdigest()[:16]

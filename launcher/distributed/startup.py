@@ -32,18 +32,19 @@ class ProcessEnv:
     local_rank: int
     local_world: int
     restart: int     # torchrun's attempt number (TORCHELASTIC_RESTART_COUNT)
+    node_gpus: int   # GPUs on this node (this process sees one of them, see isolation.bind_local_gpu)
 
     @classmethod
-    def from_environ(cls) -> "ProcessEnv":
+    def from_environ(cls, node_gpus: int) -> "ProcessEnv":
         def get(name: str, default: int) -> int:
             return int(os.environ.get(name, default))
         return cls(get("RANK", 0), get("WORLD_SIZE", 1), get("LOCAL_RANK", 0), get("LOCAL_WORLD_SIZE", 1),
-                   get("TORCHELASTIC_RESTART_COUNT", 0))
+                   get("TORCHELASTIC_RESTART_COUNT", 0), node_gpus)
 
 
-def _backend_for(device: torch.device, local_world: int) -> str:
+def _backend_for(device: torch.device, env: ProcessEnv) -> str:
     # NCCL cannot put two ranks on one GPU: share GPUs over gloo (payloads travel through host memory).
-    return "nccl" if device.type == "cuda" and torch.cuda.device_count() >= local_world else "gloo"
+    return "nccl" if device.type == "cuda" and env.node_gpus >= env.local_world else "gloo"
 
 
 def _agree_on_run_dir(cfg: DictConfig, env: ProcessEnv, control) -> Path:
@@ -98,7 +99,7 @@ def start_process(cfg: DictConfig, overrides: list[str], topo: Topology, env: Pr
         # by hostname lookup, which in some VMs resolves to an address the host cannot reach.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     device = resolve_device(cfg.run.device, "run.device", env.local_rank)
-    backend = _backend_for(device, env.local_world)
+    backend = _backend_for(device, env)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.run.timeout_s),

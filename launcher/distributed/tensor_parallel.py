@@ -85,7 +85,8 @@ def plan_strings(config) -> tuple[dict[str, str], dict[str, str]]:
     strings = {key[len(_LAYER_PREFIX):]: style for key, style in model_plan.items() if key.startswith(_LAYER_PREFIX)}
     strings = strings or dict(family.tp_layer_plan)
     if not strings:
-        raise TensorParallelError(f"the {family.name} target has no tensor-parallel plan; use target.parallel=replicate")
+        raise TensorParallelError(f"the {family.name} target has no tensor-parallel plan; "
+                                  f"use target.parallel=replicate")
     replicated = {key: style for key, style in strings.items()
                   if any(key == root or key.startswith(root + ".") for root in family.tp_replicated)}
     return {key: style for key, style in strings.items() if key not in replicated}, replicated
@@ -143,7 +144,8 @@ def shard_target(target: CapturingTarget, unit_group: ProcessGroup, device: torc
                 setattr(module, name, moved)
     log.info("target sharded over unit ranks %s (tp_size %d): %d layers, %s", mesh.mesh.tolist(), tp_size,
              len(decoder.layers), {k: type(v).__name__ for k, v in plan.items()})
-    whole = [root for root in target.family.tp_replicated if any(_submodule(layer, root) is not None for layer in decoder.layers)]
+    whole = [root for root in target.family.tp_replicated
+             if any(_submodule(layer, root) is not None for layer in decoder.layers)]
     if whole:
         _, dropped = plan_strings(target.config)
         log.warning("tensor-parallel %s target: %s stay whole on every rank (transformers' plan styles for them: "

@@ -74,7 +74,8 @@ def parse_topology(spec: str, world_size: int, tp_size: int = 1) -> Topology:
     if topo.num_drafters < 1:
         raise ConfigError(f"topology={spec} with tp_size={tp_size} leaves no drafter rank in WORLD_SIZE={world_size}")
     if tp_size < 1 or topo.num_targets % tp_size:
-        raise ConfigError(f"target.tp_size={tp_size} must divide the {topo.num_targets} target ranks of topology={spec}")
+        raise ConfigError(f"target.tp_size={tp_size} must divide the {topo.num_targets} target ranks of "
+                          f"topology={spec}")
     return topo
 
 

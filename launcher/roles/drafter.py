@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
+import dflash_core
 from dflash_core.compile import compile_count, report
 from dflash_core.export import export_drafter
 from launcher.context import Context
 from launcher.distributed.channel import Receiver
+from launcher.distributed.isolation import CompileShare, source_digest
 from launcher.roles.fault import maybe_fail
 from launcher.roles.trainer import DrafterTrainer
 from launcher.run_io import checkpoint
@@ -26,12 +30,41 @@ class NonFiniteError(RuntimeError):
     """Too many consecutive steps with a non-finite loss or gradient norm."""
 
 
+def _node_builder(ctx: Context) -> int:
+    """The drafter rank that compiles first and publishes for the others on its host."""
+    host = next(r["host"] for r in ctx.provenance["ranks"] if r["rank"] == ctx.rank)
+    return min(r["rank"] for r in ctx.provenance["ranks"] if r["role"] == "drafter" and r["host"] == host)
+
+
+def _compile_share(ctx: Context) -> CompileShare:
+    import dataclasses
+    job = ctx.job
+    device = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
+    key = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": device,
+           "sources": source_digest(Path(dflash_core.__file__).parent), "drafter": dataclasses.asdict(job.drafter),
+           "step": dataclasses.asdict(job.step), "shape": job.compile.warm_up_shape,
+           "evaluates": job.schedule.eval_batches > 0}
+    return CompileShare(ctx.isolation.cache_dir.parent, key)
+
+
 def _warm_up(ctx: Context, trainer: DrafterTrainer) -> float | None:
+    """Compile the step before the stream starts. Compiled artefacts published earlier (by this
+    run's node builder, or by any earlier run with the same compile settings) are loaded first, so
+    only one drafter per node, once, compiles cold."""
     shape = ctx.job.compile.warm_up_shape
     if shape is None:
         return None
-    seconds = trainer.warm_up(*shape, ctx.job.schedule.eval_batches > 0)
-    log.info("warm-up compiled the step for [%d, %d] in %.1fs (graphs: %d)", *shape, seconds, compile_count())
+    started = time.perf_counter()
+    share = _compile_share(ctx) if ctx.job.compile.compiled else None
+    builder = share is not None and ctx.rank == _node_builder(ctx)
+    loaded = share is not None and (share.load() if builder else
+                                    share.wait_and_load(ctx.cfg.run.startup_timeout_s))
+    trainer.warm_up(*shape, ctx.job.schedule.eval_batches > 0)
+    if builder and not loaded:
+        log.info("published compiled artefacts: %s", share.publish())
+    seconds = time.perf_counter() - started
+    log.info("warm-up compiled the step for [%d, %d] in %.1fs (graphs: %d; %s)", *shape, seconds, compile_count(),
+             "loaded published artefacts" if loaded else "cold" if share else "not compiled")
     return seconds
 
 

@@ -52,20 +52,35 @@ def build_sources(job: Job) -> tuple[MicroBatchSource, MicroBatchSource | None, 
 
 
 def load_capturing_target(ctx: Context) -> CapturingTarget:
-    plan, started = ctx.job.target, time.perf_counter()
+    plan, compiled, started = ctx.job.target, ctx.job.compile.target_compiled, time.perf_counter()
     # Tensor mode loads on CPU first: shard_target moves only this rank's slices to the device.
     load_device = "cpu" if plan.parallel == "tensor" else ctx.device
     if plan.random_weights:
         target = random_target(plan.hf_config, layer_ids=plan.layer_ids, device=load_device, dtype=plan.dtype,
-                               seed=ctx.cfg.run.seed)
+                               seed=ctx.cfg.run.seed, compiled=compiled)
     else:
-        target = load_target(plan.path, layer_ids=plan.layer_ids, device=load_device, dtype=plan.dtype)
+        target = load_target(plan.path, layer_ids=plan.layer_ids, device=load_device, dtype=plan.dtype,
+                             compiled=compiled)
     if plan.parallel == "tensor":
         from launcher.distributed.tensor_parallel import shard_target
         shard_target(target, ctx.groups.unit, ctx.device)
     log.info("target loaded in %.1fs: layers %s captured, width %d", time.perf_counter() - started, plan.layer_ids,
              plan.feature_width)
+    if compiled:
+        _warm_up(ctx, target)
     return target
+
+
+def _warm_up(ctx: Context, target: CapturingTarget) -> None:
+    """Compile the capture for the run's static rows before the stream starts (under the start-up
+    timeout, like the drafters): packed training rows carry a block-diagonal mask, unpacked rows none."""
+    started = time.perf_counter()
+    rows, length = ctx.cfg.train.micro_batch_size, ctx.cfg.data.fixed_length
+    ids = torch.zeros(rows, length, dtype=torch.long, device=ctx.device)
+    half = torch.arange(length, device=ctx.device) % max(1, length // 2)   # two documents per row
+    for positions in ([None, half.expand(rows, -1)] if ctx.job.packing else [None]):
+        target.capture(ids, position_ids=positions)
+    log.info("target warm-up compiled the capture for [%d, %d] in %.1fs", rows, length, time.perf_counter() - started)
 
 
 def _sync(device: torch.device) -> None:

@@ -116,8 +116,9 @@ class DrafterTrainer:
                              hidden, ids.numel())
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             with self.model.no_sync(), self.autocast():
-                drafter_step(self.model, self.head, batch.input_ids, batch.loss_mask, batch.hidden,
-                             position_ids=batch.position_ids, generator=generator, **self.step_kwargs).loss_sum.backward()
+                out = drafter_step(self.model, self.head, batch.input_ids, batch.loss_mask, batch.hidden,
+                                   position_ids=batch.position_ids, generator=generator, **self.step_kwargs)
+                out.loss_sum.backward()
             self.optimizer.zero_grad(set_to_none=True)
             if evaluates:
                 self._evaluate_local(batch)
@@ -128,7 +129,8 @@ class DrafterTrainer:
         self.drafter.eval()
         with self.autocast():
             counts = evaluate_tau(self.drafter, self.head, batch.input_ids, batch.loss_mask, batch.hidden,
-                                  position_ids=batch.position_ids, backend=self.job.step.backend, num_anchors=self.job.step.num_anchors,
+                                  position_ids=batch.position_ids, backend=self.job.step.backend,
+                                  num_anchors=self.job.step.num_anchors,
                                   chunk_blocks=self.job.step.chunk_blocks, compiled=self.job.step.compiled)
         self.drafter.train()
         return counts

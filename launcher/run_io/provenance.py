@@ -34,7 +34,8 @@ def code_version() -> dict:
         def git(*args):
             return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True,
                                   timeout=10).stdout.strip()
-        return {"package": version, "git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(git("status", "--porcelain"))}
+        return {"package": version, "git_commit": git("rev-parse", "HEAD"),
+                "git_dirty": bool(git("status", "--porcelain"))}
     except (OSError, subprocess.SubprocessError):
         return {"package": version}
 

@@ -71,7 +71,8 @@ def _totals(summary: dict) -> str:
             f"{summary['tokens_per_s']:.0f} tokens/s ({summary['steady_tokens_per_s']:.0f} steady)  "
             f"loss (mean of 10 steps) {summary['first_loss'] or nan:.4f} -> {summary['last_loss'] or nan:.4f}\n"
             f"anchor_fill {_fraction(summary['anchor_fill'])}  target_padding_fraction "
-            f"{_fraction(summary['target_padding_fraction'])}  idle: targets {100 * summary['target_idle_fraction']:.0f}%, "
+            f"{_fraction(summary['target_padding_fraction'])}  "
+            f"idle: targets {100 * summary['target_idle_fraction']:.0f}%, "
             f"drafters {100 * summary['drafter_idle_fraction']:.0f}%  channel {summary['channel_gb_per_s']:.3f} GB/s"
             + (f"  skipped steps {summary['skipped_steps']}" if summary["skipped_steps"] else ""))
 
