@@ -114,6 +114,37 @@ def _let_peers_report(timeout_s: float = PEER_REPORT_TIMEOUT_S) -> None:
         pass  # no agent store to meet at: exit now
 
 
+def _record_for_torchrun(exc: BaseException) -> None:
+    """What torchrun's @record does: the traceback goes to TORCHELASTIC_ERROR_FILE, so torchrun's
+    failure summary names this rank's root cause (run_main catches the exception itself, to exit
+    at once without a blocking process-group teardown)."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+        handler = ErrorHandler()
+        handler.initialize()
+        handler.record_exception(exc)
+
+
+def launch_under_torchrun(module: str, argv: list[str]) -> None:
+    """Outside torchrun (`dflash-train ...` or `python -m launcher.train ...`), start torchrun on this
+    host with one process per rank of the topology: `--nproc-per-node N` if given, else T + D of a
+    `topology=t<T>d<D>` override, else one per GPU (at least 2)."""
+    import torch
+    args = [arg for arg in argv if not arg.startswith("--nproc-per-node")]
+    given = [arg.split("=", 1)[1] for arg in argv if arg.startswith("--nproc-per-node=")]
+    spec = next((arg.split("=", 1)[1] for arg in argv if arg.startswith("topology=")), "auto")
+    if given:
+        nproc = int(given[0])
+    elif spec.startswith("t") and "d" in spec and spec[1:].replace("d", "").isdigit():
+        nproc = sum(int(part) for part in spec[1:].split("d"))
+    else:
+        nproc = max(2, torch.cuda.device_count())
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", module, *args]
+    print("launching: " + " ".join(command[1:]), flush=True)
+    os.execv(sys.executable, command)
+
+
 def run_main(run, config_name: str, usage: str) -> None:
     """Parse the flags, run `run(overrides)`, and on failure log it (role and rank in every line),
     let peers report too, and exit non-zero at once."""
@@ -132,6 +163,7 @@ def run_main(run, config_name: str, usage: str) -> None:
         if isinstance(exc, HydraException) and exc.__cause__ is not None:
             message += f" ({str(exc.__cause__).splitlines()[0]})"
         log.error("failed: %s: %s", type(exc).__name__, message, exc_info=not expected)
+        _record_for_torchrun(exc)
         logging.shutdown()
         sys.stderr.flush()
         import torch.distributed as dist

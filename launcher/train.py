@@ -7,6 +7,7 @@ import os
 
 USAGE = """\
 Usage: torchrun --standalone --nproc-per-node N -m launcher.train [key=value ...]
+       dflash-train [--nproc-per-node=N] [key=value ...]   (starts torchrun itself: N from topology=t<T>d<D>)
 Examples:
   torchrun --standalone --nproc-per-node 3 -m launcher.train topology=t1d2            # the embedded default (CPU)
   torchrun --standalone --nproc-per-node 8 -m launcher.train topology=t4d4 target=qwen3_8b \\
@@ -59,7 +60,12 @@ def run(overrides: list[str]) -> int:
 
 
 def main() -> None:
-    from launcher.cli import run_main
+    import sys
+
+    from launcher.cli import launch_under_torchrun, run_main
+    flags = {"-h", "--help", "--cfg", "--info", "-m", "--multirun"}
+    if "LOCAL_RANK" not in os.environ and not flags & set(sys.argv[1:]):
+        launch_under_torchrun("launcher.train", sys.argv[1:])
     run_main(run, "config", USAGE)
 
 
