@@ -149,7 +149,7 @@ def check_replaceable(out_dir, overwrite):
                                 f"untouched: choose an output path that does not exist")
     if not overwrite:
         raise ExportExistsError(f"{out_dir} holds a previous DFlash export; to replace it, ask for it "
-                                f"(launcher.export --overwrite, export_drafter(..., overwrite=True)) "
+                                f"(launcher.export export.overwrite=true, export_drafter(..., overwrite=True)) "
                                 f"or choose another output path")
 
 

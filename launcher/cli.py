@@ -145,16 +145,16 @@ def launch_under_torchrun(module: str, argv: list[str]) -> None:
     os.execv(sys.executable, command)
 
 
-def run_main(run, config_name: str, usage: str) -> None:
+def run_main(run, config_name: str, usage: str, argv: list[str] | None = None) -> None:
     """Parse the flags, run `run(overrides)`, and on failure log it (role and rank in every line),
-    let peers report too, and exit non-zero at once."""
+    let peers report too, and exit non-zero at once. argv: default sys.argv[1:]."""
     from hydra.errors import HydraException
 
     from launcher.run_io.rundir import setup_logging
     if not log.handlers:
         setup_logging(config_name if config_name != "config" else "train", logging.INFO)
     try:
-        code = run(parse_flags(sys.argv[1:], config_name, usage))
+        code = run(parse_flags(sys.argv[1:] if argv is None else argv, config_name, usage))
     except BaseException as exc:  # every rank reports its own failure, then exits non-zero at once
         if isinstance(exc, SystemExit):
             raise
@@ -164,12 +164,11 @@ def run_main(run, config_name: str, usage: str) -> None:
             message += f" ({str(exc.__cause__).splitlines()[0]})"
         log.error("failed: %s: %s", type(exc).__name__, message, exc_info=not expected)
         _record_for_torchrun(exc)
-        logging.shutdown()
         sys.stderr.flush()
         import torch.distributed as dist
-        if not (dist.is_available() and dist.is_initialized()):
-            _let_peers_report()
-        # os._exit: a process group may still be alive, and its teardown can block.
-        os._exit(1)
-    logging.shutdown()
+        if dist.is_available() and dist.is_initialized():
+            logging.shutdown()
+            os._exit(1)   # a process group is alive, and its teardown can block
+        _let_peers_report()
+        raise SystemExit(1) from None
     sys.exit(code)

@@ -1,15 +1,20 @@
-"""`python -m launcher.export <checkpoint dir> [--out DIR] [--overwrite]`: the HF drafter directory
-from a checkpoint. It never replaces anything but a previous export, and that only with --overwrite."""
+"""`python -m launcher.export export.checkpoint=DIR [export.out=DIR] [export.overwrite=true]`: the HF
+drafter directory of a checkpoint. It never replaces anything but a previous export, and that only
+with export.overwrite=true."""
 from __future__ import annotations
 
-import argparse
 import shlex
-import sys
 from pathlib import Path
 
 from dflash_core.export import export_drafter
 from dflash_core.model import DFlashDrafter, DrafterConfig
+from launcher.config import ConfigError, compose_config
 from launcher.run_io import checkpoint
+
+USAGE = """\
+Usage: python -m launcher.export export.checkpoint=DIR [export.out=DIR] [export.overwrite=true]
+Example:
+  python -m launcher.export export.checkpoint=runs/qwen3-8b/checkpoints/step_00020000 export.out=/models/drafter"""
 
 
 def export_checkpoint(path: Path, out: Path, *, overwrite: bool = False, card: dict | None = None) -> Path:
@@ -37,20 +42,21 @@ def run_facts(checkpoint_path: Path) -> dict:
     return facts
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("checkpoint", type=Path, help="a checkpoints/step_XXXXXXXX directory of a run")
-    parser.add_argument("--out", type=Path, help="output directory (default: <run dir>/export_step_XXXXXXXX)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace --out if it holds a previous export (anything else there is never replaced)")
-    args = parser.parse_args(argv)
-    out = args.out or args.checkpoint.parent.parent / f"export_{args.checkpoint.name}"
-    command = shlex.join(["python", "-m", "launcher.export", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        print(export_checkpoint(args.checkpoint, out, overwrite=args.overwrite, card={"command": command}))
-    except (ValueError, OSError) as exc:  # refused output, bad checkpoint, non-finite weights: the message says what
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        sys.exit(1)
+def run(overrides: list[str]) -> int:
+    cfg = compose_config(overrides, config_name="export")
+    checkpoint_dir = Path(cfg.export.checkpoint)
+    if not (checkpoint_dir / "meta.json").is_file():
+        raise ConfigError(f"export.checkpoint={str(checkpoint_dir)!r}: not a complete checkpoint (no meta.json); "
+                          f"pass a run's checkpoints/step_XXXXXXXX directory")
+    out = Path(cfg.export.out) if cfg.export.out else checkpoint_dir.parent.parent / f"export_{checkpoint_dir.name}"
+    command = shlex.join(["python", "-m", "launcher.export", *overrides])
+    print(export_checkpoint(checkpoint_dir, out, overwrite=cfg.export.overwrite, card={"command": command}))
+    return 0
+
+
+def main() -> None:
+    from launcher.cli import run_main
+    run_main(run, "export", USAGE)
 
 
 if __name__ == "__main__":

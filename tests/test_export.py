@@ -11,6 +11,7 @@ from dflash_core.export import ExportExistsError, export_drafter, load_exported
 from dflash_core.finite import NonFiniteError
 from dflash_core.model import DFlashDrafter
 from launcher import export as export_cli
+from launcher.cli import run_main
 from launcher.evaluate import load_drafter
 from launcher.run_io import checkpoint
 from tests.drafters import drafter_config
@@ -109,12 +110,12 @@ def run_with_checkpoint(tmp_path):
 
 
 def test_cli_export_onto_the_run_dir_is_refused_and_the_run_dir_kept(tmp_path, capsys):
-    """Issue 17: `launcher.export <ckpt> --out <run dir>` deleted the whole run dir."""
+    """Issue 17: `launcher.export <ckpt> --out <run dir>` deleted the whole run dir (any setting)."""
     run, ckpt = run_with_checkpoint(tmp_path)
     before = snapshot(run)
-    for extra in ([], ["--overwrite"]):
+    for extra in ([], ["export.overwrite=true"]):
         with pytest.raises(SystemExit) as exit_info:
-            export_cli.main([str(ckpt), "--out", str(run), *extra])
+            run_main(export_cli.run, "export", "", [f"export.checkpoint={ckpt}", f"export.out={run}", *extra])
         assert exit_info.value.code == 1
         assert f"{run} exists and is not a DFlash export (it holds checkpoints" in capsys.readouterr().err
     assert snapshot(run) == before
@@ -124,13 +125,14 @@ def test_cli_export_onto_the_run_dir_is_refused_and_the_run_dir_kept(tmp_path, c
 def test_cli_export_replaces_its_own_export_only_with_overwrite(tmp_path, capsys):
     _, ckpt = run_with_checkpoint(tmp_path)
     out = tmp_path / "exported"
-    export_cli.main([str(ckpt), "--out", str(out)])
+    args = [f"export.checkpoint={ckpt}", f"export.out={out}"]
+    assert export_cli.run(args) == 0
     first = snapshot(out)
     with pytest.raises(SystemExit):
-        export_cli.main([str(ckpt), "--out", str(out)])
+        run_main(export_cli.run, "export", "", args)
     assert "holds a previous DFlash export" in capsys.readouterr().err and snapshot(out) == first
-    export_cli.main([str(ckpt), "--out", str(out), "--overwrite"])
-    assert "--overwrite" in (out / "README.md").read_text()  # the card records the command
+    export_cli.run(args + ["export.overwrite=true"])
+    assert "export.overwrite=true" in (out / "README.md").read_text()  # the card records the command
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exported", "run"]
 
 

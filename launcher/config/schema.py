@@ -198,6 +198,13 @@ class RegenerateSettings:
     log_every: int = knob(10, "progress line every N batches (rank 0)", ge=1)
 
 
+@dataclass
+class ExportSettings:
+    checkpoint: str = required("a run's checkpoints/step_XXXXXXXX directory")
+    out: Optional[str] = knob(None, "output directory; null: <run dir>/export_step_XXXXXXXX")
+    overwrite: bool = knob(False, "replace `out` if it holds a previous export (nothing else is ever replaced)")
+
+
 # ----------------------------------------------------------------------------------- roots
 @dataclass
 class TrainJob:
@@ -229,5 +236,11 @@ class RegenerateJob:
     regenerate: RegenerateSettings = field(default_factory=RegenerateSettings)
 
 
+@dataclass
+class ExportJob:
+    """`python -m launcher.export export.checkpoint=DIR`: the Hugging Face drafter directory of a checkpoint."""
+    export: ExportSettings = field(default_factory=ExportSettings)
+
+
 GROUPS = {"target": TargetSettings, "drafter": DrafterSettings, "data": DataSettings, "optim": OptimSettings}
-ROOTS = {"config": TrainJob, "evaluate": EvaluateJob, "regenerate": RegenerateJob}
+ROOTS = {"config": TrainJob, "evaluate": EvaluateJob, "regenerate": RegenerateJob, "export": ExportJob}
