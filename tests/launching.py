@@ -7,12 +7,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def torchrun(nproc: int, *overrides: str, timeout: float = 300, env=None, module: str = "launcher.train",
+def torchrun(nproc: int, *args: str, timeout: float = 300, env=None, module: str | None = "launcher.train",
              torchrun_args=()) -> subprocess.CompletedProcess:
+    """The one way tests launch real torchrun jobs: `module` with `args` (overrides), or with
+    module=None a script path and its arguments; one OpenMP thread per process (2 shared cores)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           *torchrun_args, "-m", module, *overrides]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
+           *torchrun_args, *(["-m", module] if module else []), *args]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), **(env or {})}
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env, check=False)
 
 
 def seq_lines(run_dir: Path, verb: str) -> list[dict]:

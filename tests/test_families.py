@@ -7,7 +7,6 @@ This file is also the worker script of the tensor-parallel test (`__main__` belo
 import contextlib
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from dflash_core.families import FAMILIES, TargetError, family_of, packing_suppo
 from dflash_core.model import DrafterConfig, default_target_layer_ids
 from dflash_core.target import load_target
 from dflash_core.tiny import TINY_SHAPES, build_tiny_target
+from tests.launching import torchrun
 
 REPO = Path(__file__).resolve().parent.parent
 TOLERANCE = {"rtol": 0, "atol": 1e-5}  # fp32
@@ -222,7 +222,7 @@ def test_unsupported_family_is_named(tmp_path):
 @pytest.mark.parametrize("family", [family for family in FAMILIES if family != "qwen3"])  # qwen3: test_launch
 def test_twenty_steps_train_on_each_family(tmp_path, family):
     """`target=tiny_<family>` builds its target on first use and the real launcher trains on it."""
-    from tests.launching import torchrun
+
     run_dir, target_dir = tmp_path / "run", tmp_path / "target"
     proc = torchrun(3, "topology=t1d2", f"target=tiny_{family}", f"target.path={target_dir}", "train.steps=20",
                     "train.eval_every=0", "optim.lr=3e-3", f"run.dir={run_dir}", f"data.cache_dir={tmp_path / 'tok'}",
@@ -238,10 +238,8 @@ def test_twenty_steps_train_on_each_family(tmp_path, family):
 @pytest.mark.multiproc
 def test_tensor_parallel_units_equal_the_unsharded_targets(tmp_path, family_dirs):
     """One 2-rank gloo job shards every family in turn; qwen3_5 also captures a packed row."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-           str(tmp_path), *(f"{family}={path}" for family, path in family_dirs.items())]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    proc = torchrun(2, __file__, str(tmp_path), *(f"{family}={path}" for family, path in family_dirs.items()),
+                    module=None)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for family, path in family_dirs.items():
         reference = load_target(path, layer_ids=LAYER_IDS, dtype=torch.float32)

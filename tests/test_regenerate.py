@@ -1,8 +1,5 @@
 """`python -m launcher.regenerate`: the target answers a dataset's prompts; the output trains."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -11,16 +8,9 @@ from dflash_core.data import load_samples, read_records
 from dflash_core.prompts import prompt_messages
 from dflash_core.tiny import BUNDLED_DATASET
 from launcher.regenerate import merge_parts, read_part
-from tests.launching import REPO
+from tests.launching import torchrun
 
 NUM_PROMPTS, MAX_NEW_TOKENS = 16, 24
-
-
-def torchrun(nproc: int, module: str, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", module, *overrides]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, check=False, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def _bundled_conversations(n: int) -> list[tuple[str, list[dict]]]:
@@ -63,9 +53,9 @@ def test_two_ranks_greedy_matches_hf_generate_and_output_trains(tmp_path, tiny_t
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     output = tmp_path / "regenerated.jsonl"
-    proc = torchrun(2, "launcher.regenerate", f"target.path={tiny_target_dir}", f"regenerate.output={output}",
+    proc = torchrun(2, f"target.path={tiny_target_dir}", f"regenerate.output={output}",
                     f"regenerate.limit={NUM_PROMPTS}", f"regenerate.max_new_tokens={MAX_NEW_TOKENS}",
-                    "regenerate.batch_size=4", "regenerate.device=cpu")
+                    "regenerate.batch_size=4", "regenerate.device=cpu", module="launcher.regenerate")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert not output.with_name(output.name + ".parts").exists()
 
@@ -95,7 +85,7 @@ def test_two_ranks_greedy_matches_hf_generate_and_output_trains(tmp_path, tiny_t
         assert tokenizer.decode(new, skip_special_tokens=True).strip() == record["conversations"][-1]["content"]
 
     run_dir = tmp_path / "run"
-    proc = torchrun(2, "launcher.train", "topology=t1d1", f"data.paths=[{output}]", f"run.dir={run_dir}",
+    proc = torchrun(2, "topology=t1d1", f"data.paths=[{output}]", f"run.dir={run_dir}",
                     f"target.path={tiny_target_dir}", "train.steps=2", "run.progress=false",
                     f"data.cache_dir={tmp_path / 'tok'}")
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -3,15 +3,13 @@
 The multi-process checks run real torchrun jobs on CPU (gloo). This file is also the worker
 script of the equality test (`__main__` below), so no helper module is needed.
 """
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.launching import REPO
+from tests.launching import torchrun
 
 LAYER_IDS = [0, 2, 3]  # 3 is the last layer: captured after the final norm, which stays replicated
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}  # fp32; measured max |diff| ~2e-6 on values up to ~4
@@ -19,17 +17,6 @@ TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}  # fp32; measured max |diff| ~2e-6 on v
 
 def _inputs() -> torch.Tensor:
     return torch.randint(0, 1000, (2, 40), generator=torch.Generator().manual_seed(0))
-
-
-def _env() -> dict:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-
-
-def torchrun(nproc: int, *args: str, module: str | None = "launcher.train", timeout: float = 300):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           *(["-m", module] if module else []), *args]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=_env(), check=False)
 
 
 # ----------------------------------------------------------------------------- single process
