@@ -19,7 +19,6 @@ Examples:
 def run(overrides: list[str]) -> int:
     from launcher.cli import die_with_parent
     from launcher.config import compose_config
-    from launcher.distributed.isolation import bind_local_gpu
     from launcher.distributed.startup import ProcessEnv
     from launcher.distributed.topology import parse_topology
     from launcher.resolve import check_combinations
@@ -28,9 +27,7 @@ def run(overrides: list[str]) -> int:
     die_with_parent()
     setup_logging(f"rank{os.environ.get('RANK', 0)}", logging.WARNING)
     cfg = compose_config(overrides)
-    # Before anything initialises CUDA.
-    node_gpus = 0 if cfg.run.device == "cpu" else bind_local_gpu(int(os.environ.get("LOCAL_RANK", 0)))
-    env = ProcessEnv.from_environ(node_gpus)
+    env = ProcessEnv.from_environ()
     check_combinations(cfg)
     topo = parse_topology(cfg.topology, env.world, cfg.target.tp_size)
     setup_logging(f"{topo.role(env.rank)}{env.rank}", logging.WARNING)

@@ -1,5 +1,5 @@
 """Per-process compile isolation: one process publishes its compiled artefacts, another process with
-its own cache dir loads them and compiles nothing (an FX-graph cache hit), and GPU binding."""
+its own cache dir loads them and compiles nothing (an FX-graph cache hit)."""
 import os
 import subprocess
 import sys
@@ -34,13 +34,3 @@ def test_published_artefacts_spare_another_process_the_compile(tmp_path):
     assert list((tmp_path / "shared").glob("drafter-*.bin"))
     assert _compile_in_a_fresh_process(tmp_path, tmp_path / "other") == (True, 1, 0)
     assert not (tmp_path / "builder").samefile(tmp_path / "other")
-
-
-def test_bind_local_gpu_gives_each_rank_one_device(monkeypatch):
-    from launcher.distributed.isolation import bind_local_gpu
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
-    assert bind_local_gpu(1) == 3 and os.environ["CUDA_VISIBLE_DEVICES"] == "5"
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
-    assert bind_local_gpu(4) == 3 and os.environ["CUDA_VISIBLE_DEVICES"] == "5"   # shared round-robin
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert bind_local_gpu(0) == 0

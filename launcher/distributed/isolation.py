@@ -31,23 +31,6 @@ def _usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def bind_local_gpu(local_rank: int) -> int:
-    """Give this process its node-local GPU as its only visible device (cuda:0), before anything
-    initialises CUDA, and return how many GPUs the node shows. Every process then compiles for
-    `cuda:0`: inductor's cache keys include the device index, so kernels compiled by any rank (or
-    any earlier run) are found by every other, whatever GPU it runs on. Ranks beyond the GPU count
-    share GPUs round-robin. With no GPU (or no NVML to count them) nothing changes."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        ids = [entry.strip() for entry in visible.split(",") if entry.strip()]
-    else:
-        count = torch.cuda._device_count_nvml() if hasattr(torch.cuda, "_device_count_nvml") else -1
-        ids = [str(i) for i in range(max(count, 0))]
-    if ids:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ids[local_rank % len(ids)]
-    return len(ids)
-
-
 def isolate(role: str, rank: int, local_world: int, cache_root: Path, device: torch.device,
             recompile_limit: int, compile_threads: int | str) -> Isolation:
     cache_dir = Path(cache_root).resolve() / f"{role}{rank}"
@@ -71,9 +54,11 @@ def isolate(role: str, rank: int, local_world: int, cache_root: Path, device: to
 class CompileShare:
     """Compiled artefacts (torch.compiler's cache artefacts: graphs, AOT code, Triton kernels) that one
     drafter per node builds and publishes as one file, which the node's other drafters, and later
-    runs with the same compile settings on any GPU index, load into their OWN cache dirs before they
-    compile. No two processes ever write one cache: the file is written atomically by its builder
-    and only read by the others."""
+    runs with the same compile settings, load into their OWN cache dirs before they compile. On the
+    builder's GPU index every graph is found; inductor's graph keys include the device index, so on
+    another index the graphs are lowered again but the Triton kernels, the slow part of a cold
+    compile, are found. No two processes ever write one cache: the file is written atomically by
+    its builder and only read by the others."""
 
     def __init__(self, cache_root: Path, key: dict):
         digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]

@@ -32,19 +32,18 @@ class ProcessEnv:
     local_rank: int
     local_world: int
     restart: int     # torchrun's attempt number (TORCHELASTIC_RESTART_COUNT)
-    node_gpus: int   # GPUs on this node (this process sees one of them, see isolation.bind_local_gpu)
 
     @classmethod
-    def from_environ(cls, node_gpus: int) -> "ProcessEnv":
+    def from_environ(cls) -> "ProcessEnv":
         def get(name: str, default: int) -> int:
             return int(os.environ.get(name, default))
         return cls(get("RANK", 0), get("WORLD_SIZE", 1), get("LOCAL_RANK", 0), get("LOCAL_WORLD_SIZE", 1),
-                   get("TORCHELASTIC_RESTART_COUNT", 0), node_gpus)
+                   get("TORCHELASTIC_RESTART_COUNT", 0))
 
 
 def _backend_for(device: torch.device, env: ProcessEnv) -> str:
     # NCCL cannot put two ranks on one GPU: share GPUs over gloo (payloads travel through host memory).
-    return "nccl" if device.type == "cuda" and env.node_gpus >= env.local_world else "gloo"
+    return "nccl" if device.type == "cuda" and torch.cuda.device_count() >= env.local_world else "gloo"
 
 
 def _agree_on_run_dir(cfg: DictConfig, env: ProcessEnv, control) -> Path:
