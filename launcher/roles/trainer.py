@@ -28,6 +28,14 @@ def anchor_generator(device: torch.device, seed: int, index: int) -> torch.Gener
     return torch.Generator(device=device).manual_seed(seed * 1_000_003 + index)
 
 
+def scale_and_clip_(grads: list[torch.Tensor], scale: float, max_norm: float) -> float:
+    """grads *= scale, then clipped to max_norm, in one pass over them (what scaling followed by
+    clip_grad_norm_ does in two). Returns the scaled norm before clipping."""
+    norm = torch.nn.utils.get_total_norm(grads) * scale
+    torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0) * scale)
+    return float(norm)
+
+
 @dataclasses.dataclass
 class StepResult:
     counts: StepCounts     # reduced over every drafter rank and accumulation step
@@ -89,19 +97,20 @@ class DrafterTrainer:
             counts.tokens = counts.tokens + batch.num_tokens
         counts = counts.all_reduce(self.group)
         self.tokens_seen += int(counts.tokens.item())
-        # DDP averaged the gradients of the unnormalised loss sums over the D ranks: rescale so the
-        # step optimises (global weighted CE sum) / (global weight sum).
-        scale = dist.get_world_size(self.group) / max(counts.weight_sum.item(), 1e-9)
-        for param in self.drafter.parameters():
-            if param.grad is not None:
-                param.grad.mul_(scale)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.job.cfg.optim.grad_clip))
+        grad_norm = self._scale_and_clip(counts.weight_sum.item())
         skipped = not (math.isfinite(grad_norm) and math.isfinite(counts.loss_sum.item()))
         if not skipped:
             self.optimizer.step()
         self.scheduler.step()   # the learning rate stays a function of the step, skipped or not
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(counts, grad_norm, skipped)
+
+    def _scale_and_clip(self, global_weight_sum: float) -> float:
+        # DDP averaged the gradients of the unnormalised loss sums over the D ranks: scale them so
+        # the step optimises (global weighted CE sum) / (global weight sum).
+        grads = [p.grad for p in self.drafter.parameters() if p.grad is not None]
+        scale = dist.get_world_size(self.group) / max(global_weight_sum, 1e-9)
+        return scale_and_clip_(grads, scale, self.job.cfg.optim.grad_clip)
 
     def warm_up(self, rows: int, seq_len: int, evaluates: bool) -> float:
         """Compile the step for the run's one static shape before the stream starts, so no target
