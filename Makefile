@@ -52,6 +52,8 @@ train-node: install
 test: install
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
 
+# The benchmark: matmul ceiling, full-row rows and length-mix rows (padded and packed) side by side;
+# e.g. ARGS="--mix-only --seq 4096" or ARGS="--shape llama3-8b --no-mix" (docs/perf_notes.md, How to measure).
 bench: install
 	$(PYTHON) -m launcher.bench $(ARGS)
 

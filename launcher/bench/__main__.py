@@ -1,15 +1,25 @@
 """GPU benchmark harness: `python -m launcher.bench` (or `make bench ARGS=...`).
 
 Rows, all measured in one run (random weights at the real shapes; speed does not depend on them):
-  1. matmul ceiling     bf16 8192^3 (CPU: fp32 1024^3), median TFLOP/s: the MFU denominator
-  2. target alone       the frozen target's capture() on one GPU, per sequence length
-  3. drafter alone      the real step (DrafterTrainer.train_step) fed from memory, per length
+  1. matmul ceiling     bf16 8192^3 (CPU: fp32 1024^3), back-to-back products between device
+                        synchronisations, checked against the device's plausible peak (ceiling.py):
+                        the MFU denominator, or none (MFU '-') when it is implausible
+  Full rows (every token real and supervised), per sequence length:
+  2. target alone       the frozen target's capture() on one GPU, with its family's kernel notes
+  3. drafter alone      the real step (DrafterTrainer.train_step) fed from memory
   4. end to end         the real launcher under torchrun, t1d<G-1>, from its summary.json
-  5. balance            the T:D split that keeps both stages busy, from rows 2 and 3
-  6. thread baseline    the old one-process, thread-per-drafter design (launcher/thread_baseline.py)
+  5. balance            the T:D split that keeps both stages busy (this node and 8 GPUs)
+  6. thread baseline    the old one-process, thread-per-drafter design (thread_baseline.py)
+  Length-mix rows (mix.py: --lengths FILE or the built-in mix), padded and packed, at --mix-seq:
+  7. target alone       the same capture on the mix's real micro-batches: real tokens/s, padding
+  8. drafter alone      supervised blocks/s (valid anchors per second), anchor_fill, compiles
+  9. end to end         the launcher on a conversation file realising the mix (its own tokenisation
+                        and packing): blocks/s per drafter GPU, real target tokens/s per GPU,
+                        anchor_fill, padding, compiles, pipeline efficiency against rows 7 and 8
+  10. balance           the split advice from rows 7 and 8
 
-Default: the Qwen3-8B shape (36 layers, hidden 4096, vocab 151936), drafter=dflash5 (5 layers,
-block 16, layers [1, 9, 17, 25, 33]), 512 anchors, micro-batch 1, S = 2048 and 4096.
+Default: the Qwen3-8B shape (--shape: qwen3-27b, qwen3.5-35b-a3b, llama3-8b too), drafter=dflash5
+(5 layers, block 16, the spec's layer ids), 512 anchors, micro-batch 1, S = 2048 and 4096.
 `--tiny` (automatic without CUDA): the tiny target's shapes and drafter=tiny, small S.
 Prints progress as it goes and one table last; writes the same as JSON (--out, default
 $OUT/bench.json or runs/bench-<time>.json).
@@ -26,28 +36,54 @@ from pathlib import Path
 
 import torch
 
-from launcher.bench.counts import SHAPES, balance_advice
-from launcher.bench.inputs import run_overrides, write_bench_target, write_synthetic_data
-from launcher.bench.report import fmt, format_table
-from launcher.bench.stages import REPO, baseline_stage, drafter_stage, e2e_stage, matmul_ceiling, progress, target_stage
+from launcher.bench.ceiling import matmul_ceiling, plausible_peak, usable_ceiling
+from launcher.bench.counts import MASK_TOKEN_IDS, SHAPES
+from launcher.bench.inputs import run_overrides, write_bench_target, write_mix_conversations, write_synthetic_data
+from launcher.bench.mix import MODES, REFERENCE_LENGTH, builtin_mix, mix_batches, mix_from_file, synthesize_samples
+from launcher.bench.report import format_table
+from launcher.bench.rows import balance_rows, baseline_row, e2e_row, load_stage_rates, measured, stage_rates
+from launcher.bench.stages import (
+    REPO,
+    Workload,
+    baseline_stage,
+    drafter_stage,
+    e2e_stage,
+    full_row_workload,
+    mix_workload,
+    progress,
+    target_stage,
+)
 
 GPU_DEFAULTS = dict(seq="2048,4096", steps=10, warmup=3, e2e_steps=40, baseline_steps=20, anchors=512,
-                    e2e_timeout=240, baseline_timeout=200)
+                    e2e_timeout=240, baseline_timeout=200, mix_samples=2000)
 TINY_DEFAULTS = dict(seq="64,128", steps=4, warmup=2, e2e_steps=8, baseline_steps=4, anchors=32,
-                     e2e_timeout=150, baseline_timeout=120)
+                     e2e_timeout=150, baseline_timeout=120, mix_samples=160)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m launcher.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny shapes (automatic when CUDA is unavailable)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b", help="target shape on GPUs")
-    p.add_argument("--e2e-topology", help="t<T>d<D> of the end-to-end run (default t1d<G-1> on G GPUs)")
-    p.add_argument("--seq", help="comma-separated sequence lengths (default 2048,4096; tiny 64,128)")
+    p.add_argument("--e2e-topology", help="t<T>d<D> of the end-to-end runs (default t1d<G-1> on G GPUs)")
+    p.add_argument("--seq", help="comma-separated sequence lengths of the full rows (default 2048,4096; tiny 64,128)")
     p.add_argument("--steps", type=int, help="timed steps per stage measurement (default 10; tiny 4)")
     p.add_argument("--warmup", type=int, help="untimed steps first (compiles happen here; default 3)")
     p.add_argument("--anchors", type=int, help="anchors per row (default 512; tiny 32)")
-    p.add_argument("--e2e-steps", type=int, help="optimiser steps of the end-to-end run (default 40)")
-    p.add_argument("--e2e-seq", type=int, help="sequence length of the end-to-end run (default: the longest)")
+    p.add_argument("--e2e-steps", type=int, help="optimiser steps of each end-to-end run (default 40)")
+    p.add_argument("--e2e-seq", type=int, help="sequence length of the full-row end-to-end run (default: the longest)")
+    mix = p.add_argument_group("length-mix rows (7-10)")
+    mix.add_argument("--lengths", metavar="FILE", help="take prompt and answer lengths from this dataset, rendered "
+                                                       "and tokenised as training does with the bench target's "
+                                                       "tokenizer (--tokenizer); default: the built-in mix")
+    mix.add_argument("--mix-samples", type=int, help="conversations drawn from the mix (default 2000; tiny 160)")
+    mix.add_argument("--mix-seq", type=int, help="row length of the mix rows (default: the longest --seq)")
+    mix.add_argument("--modes", default=",".join(MODES), help="comma-separated: padded, packed (default both)")
+    mix.add_argument("--mix-only", action="store_true", help="only the ceiling and the length-mix rows")
+    mix.add_argument("--no-mix", action="store_true", help="no length-mix rows")
+    mix.add_argument("--stage-rates", metavar="JSON", help="stage rates of an earlier bench JSON, for end-to-end "
+                                                           "rows run without their stage rows (pipeline efficiency)")
+    p.add_argument("--peak-tflops", type=float, help="plausible peak of the ceiling check (default: the device's "
+                                                     "spec-sheet bf16 rate; none known on CPU: unchecked)")
     p.add_argument("--baseline-steps", type=int, help="micro-batches per drafter thread (default 20)")
     p.add_argument("--baseline-backend", choices=("auto", "flex", "sdpa"), default="auto",
                    help="attention backend of the thread baseline (auto: flex on GPU, sdpa on CPU)")
@@ -59,16 +95,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="hydra override for the drafter-alone and end-to-end rows (repeatable), "
                         "e.g. --set drafter.compile=false")
     p.add_argument("--profile", action="store_true",
-                   help="profile two drafter steps at the longest length: kernel table and compile times")
+                   help="profile two drafter steps (the longest full row, else the last mix mode): kernel table "
+                        "and compile times")
     p.add_argument("--skip-target", action="store_true")
     p.add_argument("--skip-drafter", action="store_true")
     p.add_argument("--skip-e2e", action="store_true")
     p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument("--skip-full-forward", action="store_true", help="target rows: no untruncated-model comparison")
     p.add_argument("--e2e-timeout", type=float)
     p.add_argument("--baseline-timeout", type=float)
     p.add_argument("--out", help="JSON output path")
-    p.add_argument("--work-dir", help="scratch dir (bench target, data, runs); kept when given")
-    p.add_argument("--tokenizer", help="dir of the tiny tokenizer to copy (default: build/reuse .cache/tiny-qwen3)")
+    p.add_argument("--work-dir", help="scratch dir (bench target, data, runs, compile cache); kept when given")
+    p.add_argument("--tokenizer", help="dir of the tokenizer to copy (default: build/reuse .cache/tiny-qwen3)")
     args = p.parse_args(argv)
     args.tiny = args.tiny or not torch.cuda.is_available()
     for key, value in (TINY_DEFAULTS if args.tiny else GPU_DEFAULTS).items():
@@ -76,6 +114,13 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, key, value)
     args.seqs = [int(s) for s in str(args.seq).split(",") if s]
     args.e2e_seq = args.e2e_seq or max(args.seqs)
+    args.mix_seq = args.mix_seq or max(args.seqs)
+    args.modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in args.modes if m not in MODES]
+    if bad or not args.modes:
+        p.error(f"--modes {','.join(args.modes)!r}: choose from {', '.join(MODES)}")
+    if args.mix_only and args.no_mix:
+        p.error("--mix-only and --no-mix exclude each other")
     return args
 
 
@@ -100,10 +145,68 @@ def _tiny_shape(tokenizer_src: Path) -> dict:
     return {**MODEL_SHAPE, "vocab_size": vocab}
 
 
-def _error_row(n: int, name: str, exc: BaseException) -> dict:
-    progress(f"{name} FAILED: {type(exc).__name__}: {exc}")
-    return {"n": n, "row": name, "error": f"{type(exc).__name__}: {exc}",
-            "notes": f"FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"}
+def _ceiling_peak(args, device_name: str, cuda: bool) -> tuple[float | None, str]:
+    if args.peak_tflops is not None:
+        return args.peak_tflops, f"--peak-tflops on {device_name}"
+    if not cuda:
+        return None, f"{device_name}: no plausible peak known (--peak-tflops sets one)"
+    peak = plausible_peak(device_name)
+    return peak, device_name if peak is not None else f"{device_name}: no plausible peak known (--peak-tflops)"
+
+
+def _prepare_mix(args, job, work: Path):
+    """The mix rows' lengths: the user's (--lengths) or the built-in mix, cut to --mix-seq, written
+    as a conversation file for the end-to-end rows and read back as training reads it; the stage
+    rows use that realised mix, so every mix row sees the same lengths."""
+    from omegaconf import OmegaConf
+
+    from dflash_core.data import load_tokenizer
+
+    kwargs = OmegaConf.to_container(job.cfg.data.chat_template_kwargs)
+    if args.lengths:
+        nominal = mix_from_file(args.lengths, load_tokenizer(job.tokenizer_dir), max_length=args.mix_seq,
+                                count=args.mix_samples, chat_template_kwargs=kwargs)
+    else:
+        nominal = builtin_mix(args.mix_samples, scale=args.mix_seq / REFERENCE_LENGTH if args.tiny else 1.0)
+    nominal = nominal.capped(args.mix_seq)
+    realised, info = write_mix_conversations(work / "mix.jsonl", nominal, job.tokenizer_dir, max_length=args.mix_seq,
+                                             chat_template_kwargs=kwargs)
+    info.update(nominal=nominal.describe(), realised=realised.describe())
+    progress(f"length mix {nominal.source}: {info['conversations']} conversations, median prompt "
+             f"{info['realised']['median_prompt']:.0f} / answer {info['realised']['median_answer']:.0f} tokens, "
+             f"{info['mismatched']} not realised exactly by the chat template (max error {info['max_token_error']})")
+    return realised, info
+
+
+def _workloads(args, job, work: Path, meta: dict) -> tuple[list[Workload], list[Workload]]:
+    """(full-row workloads, length-mix workloads) of the stage rows."""
+    from dflash_core.data import load_tokenizer
+
+    id_limit = min(job.drafter.mask_token_id, 1024)
+    full = [] if args.mix_only else [full_row_workload(seq_len, id_limit, args.anchors) for seq_len in args.seqs]
+    mixes = []
+    if not args.no_mix:
+        realised, meta["mix"] = _prepare_mix(args, job, work)
+        tokenizer = load_tokenizer(job.tokenizer_dir)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        samples = synthesize_samples(realised, id_limit=id_limit)
+        for mode in args.modes:
+            rows = mix_batches(samples, mode=mode, seq_len=args.mix_seq, count=args.warmup + args.steps,
+                               pad_token_id=pad, num_anchors=args.anchors)
+            mixes.append(mix_workload(rows, args.mix_seq))
+    if args.profile and (full or mixes):
+        (full or mixes)[-1].profile = True
+    return full, mixes
+
+
+def _stage_rows(rows: list[dict], n_full: int, n_mix: int, name: str, measure, full, mixes, skipped) -> list[dict]:
+    """Measure one stage over the full-row and mix workloads at once (one model build, one
+    compile); number its rows n_full or n_mix."""
+    measured_rows = measured(rows, n_full if full else n_mix, name, lambda: measure(full + mixes),
+                             skipped=skipped) or []
+    numbered = [{"n": n_full if r["mode"] == "full" else n_mix, **r} for r in measured_rows]
+    rows += numbered
+    return numbered
 
 
 def run(args) -> dict:
@@ -115,108 +218,109 @@ def run(args) -> dict:
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     num_gpus = torch.cuda.device_count() if cuda else 0
+    device_name = torch.cuda.get_device_name(0) if cuda else "cpu"
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="dflash-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     procs = 2 if not cuda else num_gpus
     e2e_topology = parse_topology(args.e2e_topology or f"t1d{max(procs - 1, 1)}", max(procs, 2), 1)
-    progress(f"torch {torch.__version__}, device {torch.cuda.get_device_name(0) if cuda else 'cpu'}, "
-             f"{num_gpus} GPU(s), {'tiny' if args.tiny else args.shape} shapes, S={args.seqs}, work dir {work}")
+    shape_name = "tiny" if args.tiny else args.shape
+    progress(f"torch {torch.__version__}, device {device_name}, {num_gpus} GPU(s), {shape_name} shapes, "
+             f"S={args.seqs}, mix S={args.mix_seq}, work dir {work}")
 
     tokenizer_src = _tokenizer_source(args)
-    shape = _tiny_shape(tokenizer_src) if args.tiny else dict(SHAPES[args.shape])
-    target_dir = write_bench_target(work / "target", shape, tokenizer_src)
+    target_dir = write_bench_target(work / "target", _tiny_shape(tokenizer_src) if args.tiny else args.shape,
+                                    tokenizer_src)
     data_path = work / "data.jsonl"
-    data_info = write_synthetic_data(data_path, target_dir, max(args.seqs + [args.e2e_seq]))
-    over = dict(target_dir=target_dir, data_path=data_path, tiny=args.tiny, anchors=args.anchors, work=work)
+    data_info = None if args.mix_only else write_synthetic_data(data_path, target_dir, max(args.seqs + [args.e2e_seq]))
+    over = dict(target_dir=target_dir, tiny=args.tiny, anchors=args.anchors, work=work,
+                mask_token_id=MASK_TOKEN_IDS.get(args.shape, "auto"))
     extra = ([] if cuda else ["run.device=cpu"]) + list(args.overrides)   # --tiny on a GPU stays on the CPU
-    cfg = compose_config(run_overrides(seq_len=max(args.seqs), steps=args.warmup + args.steps, **over) + extra)
-    cache_root = work / "compile_cache"
-    # The drafter stage compiles into the cache dir of the end-to-end run's first drafter, on that rank's
-    # GPU: inductor's cache keys include the device, and a miss costs minutes at the 8B shape.
+    cfg = compose_config(run_overrides(data_path=data_path, seq_len=max(args.seqs + [args.mix_seq]),
+                                       steps=args.warmup + args.steps, **over) + extra)
+    # The drafter stage compiles into the cache dir of the end-to-end runs' first drafter, for cuda:0 as
+    # every launcher worker sees its own GPU (inductor's cache keys include the device index), so those
+    # runs start warm: a cold compile costs minutes at the 8B shape.
     first_drafter = e2e_topology.num_targets
-    drafter_device = torch.device("cuda", first_drafter) if cuda and num_gpus > first_drafter else device
-    iso = isolate("drafter", first_drafter, 1, cache_root, drafter_device, cfg.isolation.recompile_limit,
-                  cfg.isolation.compile_threads)
-    job = resolve(cfg, Topology(num_targets=0, num_drafters=1), drafter_device)   # one drafter rank
+    isolate("drafter", first_drafter, 1, work / "compile_cache", device, cfg.isolation.recompile_limit,
+            cfg.isolation.compile_threads)
+    if args.tiny:   # tiny shapes on cores other jobs share: more threads only spin (50x slower on 2 busy cores)
+        torch.set_num_threads(1)
+    job = resolve(cfg, Topology(num_targets=0, num_drafters=1), device)   # one drafter rank
     dcfg, hf_config = job.drafter, job.target.hf_config
-    meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-            "num_gpus": num_gpus, "tiny": args.tiny, "seqs": args.seqs, "anchors": args.anchors,
-            "shape": shape, "drafter": {"num_layers": dcfg.num_hidden_layers, "block_size": dcfg.block_size,
-                                        "target_layer_ids": dcfg.target_layer_ids,
-                                        "mask_token_id": dcfg.mask_token_id, "backend": job.step.backend},
+    meta = {"torch": torch.__version__, "device": device_name, "num_gpus": num_gpus, "tiny": args.tiny,
+            "shape_name": shape_name, "seqs": args.seqs, "mix_seq": args.mix_seq, "anchors": args.anchors,
+            "shape": hf_config.to_dict(),
+            "drafter": {"num_layers": dcfg.num_hidden_layers, "block_size": dcfg.block_size,
+                        "target_layer_ids": dcfg.target_layer_ids, "mask_token_id": dcfg.mask_token_id,
+                        "backend": job.step.backend},
             "data": data_info, "args": {k: v for k, v in vars(args).items() if k != "seqs"}}
     rows: list[dict] = []
 
     progress("row 1: matmul ceiling")
-    ceiling_row = {"n": 1, **matmul_ceiling(device, tiny=args.tiny)}
+    peak, peak_source = _ceiling_peak(args, device_name, cuda)
+    ceiling_row = {"n": 1, **matmul_ceiling(device, tiny=args.tiny, peak=peak, peak_source=peak_source)}
     rows.append(ceiling_row)
-    ceiling = ceiling_row["tflops"]
-    progress(f"matmul ceiling {ceiling:.1f} TFLOP/s ({ceiling_row['shape']})")
+    ceiling = usable_ceiling(ceiling_row)
+    progress(f"matmul ceiling {ceiling_row['tflops']:.1f} TFLOP/s: {ceiling_row['notes']}")
 
-    def measure_target():
-        progress("row 2: target alone")
-        return target_stage(hf_config, dcfg.target_layer_ids, device, job.target.dtype,
-                            args.seqs, warmup=args.warmup, reps=args.steps, ceiling=ceiling)
-    target_rows = _measured(rows, 2, "target alone", measure_target,
-                            skipped="skipped (--skip-target)" if args.skip_target else None) or []
-    rows += [{"n": 2, **r} for r in target_rows]
+    full, mixes = _workloads(args, job, work, meta)
+    target_rows = _stage_rows(
+        rows, 2, 7, "target alone",
+        lambda workloads: target_stage(hf_config, dcfg.target_layer_ids, device, job.target.dtype, workloads,
+                                       warmup=args.warmup, reps=args.steps, ceiling=ceiling,
+                                       compiled=job.compile.target_compiled, full_forward=not args.skip_full_forward),
+        full, mixes, "skipped (--skip-target)" if args.skip_target else None)
     _free(device)
+    drafter_rows = _stage_rows(
+        rows, 3, 8, "drafter alone",
+        lambda workloads: drafter_stage(job, workloads, work=work, warmup=args.warmup, steps=args.steps,
+                                        ceiling=ceiling),
+        full, mixes, "skipped (--skip-drafter)" if args.skip_drafter else None)
+    _free(device)
+    rates = {**(load_stage_rates(Path(args.stage_rates)) if args.stage_rates else {}),
+             **stage_rates(target_rows + drafter_rows)}
 
-    def measure_drafter():
-        progress("row 3: drafter alone (DrafterTrainer.train_step)")
-        return drafter_stage(job, args.seqs, work=work, warmup=args.warmup, steps=args.steps, ceiling=ceiling,
-                             profile=args.profile)
-    drafter_rows = _measured(rows, 3, "drafter alone", measure_drafter,
-                             skipped="skipped (--skip-drafter)" if args.skip_drafter else None) or []
-    rows += [{"n": 3, **r} for r in drafter_rows]
-    _free(drafter_device)
-
-    target_rate = {r["seq_len"]: r["tokens_per_s"] for r in target_rows}
-    drafter_rate = {r["seq_len"]: r["tokens_per_s"] for r in drafter_rows}
-
-    def measure_e2e():
-        progress(f"row 4: end to end, {e2e_topology.spec} on {procs} {'GPUs' if cuda else 'CPU processes'}, "
-                 f"S={args.e2e_seq}, {args.e2e_steps} steps")
-        summary = e2e_stage(run_overrides(seq_len=args.e2e_seq, steps=args.e2e_steps, **over) + extra,
-                            topology=e2e_topology, work=work, tiny=args.tiny, timeout_s=args.e2e_timeout)
-        return _e2e_row(summary, args.e2e_seq, target_rate, drafter_rate, e2e_topology)
     e2e_skipped = ("skipped (--skip-e2e)" if args.skip_e2e
                    else f"skipped: needs >= 2 GPUs, found {num_gpus}" if procs < 2 else None)
-    e2e_row = _measured(rows, 4, "end to end", measure_e2e, skipped=e2e_skipped)
-    if e2e_row:
-        rows.append(e2e_row)
 
-    for seq_len in args.seqs:
-        if seq_len in target_rate and seq_len in drafter_rate:
-            rows.append(_balance_row(seq_len, target_rate[seq_len], drafter_rate[seq_len], max(procs, 2)))
+    def measure_e2e(mode: str, data: Path, seq_len: int, packing: list[str]):
+        progress(f"end to end, {mode}: {e2e_topology.spec} on {procs} {'GPUs' if cuda else 'CPU processes'}, "
+                 f"S={seq_len}, {args.e2e_steps} steps")
+        summary = e2e_stage(run_overrides(data_path=data, seq_len=seq_len, steps=args.e2e_steps, **over) + packing
+                            + extra, topology=e2e_topology, work=work, tiny=args.tiny, timeout_s=args.e2e_timeout,
+                            name=f"e2e-{mode}")
+        return e2e_row(4 if mode == "full" else 9, summary, seq_len, mode, rates, e2e_topology)
 
-    def measure_baseline():
-        progress(f"row 6: thread baseline (old design), S={args.e2e_seq}")
-        result = baseline_stage(_baseline_spec(args, dcfg, target_dir, cfg, num_gpus, cuda), work=work,
-                                tiny=args.tiny, timeout_s=args.baseline_timeout,
-                                cache_dir=None if args.baseline_cold_cache else iso.cache_dir)
-        return _baseline_row(result, e2e_row)
-    baseline_row = _measured(rows, 6, "thread baseline", measure_baseline,
-                             skipped="skipped (--skip-baseline)" if args.skip_baseline else None)
-    if baseline_row:
-        rows.append(baseline_row)
+    full_e2e = None
+    if not args.mix_only:
+        full_e2e = measured(rows, 4, "end to end, full rows", lambda: measure_e2e("full", data_path, args.e2e_seq, []),
+                            skipped=e2e_skipped)
+        rows += [full_e2e] if full_e2e else []
+    node_gpus = max(procs, 2)
+    rows += balance_rows(5, {k: v for k, v in rates.items() if k[1] == "full"}, node_gpus, shape_name)
+    rows += balance_rows(10, {k: v for k, v in rates.items() if k[1] != "full"}, node_gpus, shape_name)
+
+    if not args.mix_only:
+        def measure_baseline():
+            progress(f"row 6: thread baseline (old design), S={args.e2e_seq}")
+            result = baseline_stage(_baseline_spec(args, dcfg, target_dir, cfg, num_gpus, cuda), work=work,
+                                    tiny=args.tiny, timeout_s=args.baseline_timeout,
+                                    cache_dir=None if args.baseline_cold_cache else work / "compile_cache" /
+                                    f"drafter{first_drafter}")
+            return baseline_row(result, full_e2e)
+        baseline = measured(rows, 6, "thread baseline", measure_baseline,
+                            skipped="skipped (--skip-baseline)" if args.skip_baseline else None)
+        rows += [baseline] if baseline else []
+
+    for mode in ([] if args.no_mix else args.modes):
+        packing = [f"data.packing={str(mode == 'packed').lower()}"]
+        row = measured(rows, 9, f"end to end, {mode} mix",
+                       lambda: measure_e2e(mode, work / "mix.jsonl", args.mix_seq, packing), skipped=e2e_skipped)
+        rows += [row] if row else []
 
     if not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)
-    return {"meta": meta, "rows": rows}
-
-
-def _measured(rows: list[dict], n: int, name: str, measure, *, skipped: str | None):
-    """Row n's measurement: None, with a note row, when `skipped` says why; None, with an error row,
-    when it raises (a failed row must not cost the others); else what `measure()` returns."""
-    if skipped:
-        rows.append({"n": n, "row": name, "notes": skipped})
-        return None
-    try:
-        return measure()
-    except Exception as exc:  # noqa: BLE001
-        rows.append(_error_row(n, name, exc))
-        return None
+    return {"meta": meta, "rows": sorted(rows, key=lambda r: r["n"])}
 
 
 def _free(device: torch.device) -> None:
@@ -224,39 +328,6 @@ def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def _e2e_row(summary: dict, seq_len: int, target_rate: dict, drafter_rate: dict, topology) -> dict:
-    t, d = topology.num_targets, topology.num_drafters
-    steady = summary["steady_tokens_per_s"]
-    bound = None
-    if seq_len in target_rate and seq_len in drafter_rate:
-        bound = min(target_rate[seq_len] * t, drafter_rate[seq_len] * d)
-    efficiency = steady / bound if bound else None
-    compiles = summary.get("compiles", {})
-    return {"n": 4, "row": f"end to end {topology.spec}", "seq_len": seq_len, "tokens_per_s": steady,
-            "ms_per_step": 1e3 * seq_len * d / steady if steady else None,
-            "pipeline_efficiency": efficiency, "stage_bound_tokens_per_s": bound,
-            "target_idle_fraction": summary["target_idle_fraction"],
-            "drafter_idle_fraction": summary["drafter_idle_fraction"],
-            "channel_gb_per_s": summary["channel_gb_per_s"], "compiles_per_drafter": compiles,
-            "compile_s_per_drafter": summary.get("compile_s", {}),
-            "overall_tokens_per_s": summary["tokens_per_s"], "steps": summary["steps"], "wall_s": summary["wall_s"],
-            "first_loss": summary.get("first_loss"), "last_loss": summary.get("last_loss"), "summary": summary,
-            "notes": f"efficiency {fmt(efficiency, '.2f')}, idle target {summary['target_idle_fraction']:.0%} "
-                     f"drafter {summary['drafter_idle_fraction']:.0%}, channel {summary['channel_gb_per_s']:.2f} GB/s, "
-                     f"compiles {dict(compiles)}, compile s "
-                     f"{ {r: round(v, 1) for r, v in summary.get('compile_s', {}).items() if v is not None} }"}
-
-
-def _balance_row(seq_len: int, target_rate: float, drafter_rate: float, node_gpus: int) -> dict:
-    here = balance_advice(target_rate, drafter_rate, node_gpus)
-    eight = balance_advice(target_rate, drafter_rate, 8)
-    return {"n": 5, "row": "balance", "seq_len": seq_len, "tokens_per_s": here[2],
-            "advice": {str(node_gpus): f"t{here[0]}d{here[1]}", "8": f"t{eight[0]}d{eight[1]}"},
-            "tokens_per_s_8_gpus": eight[2],
-            "notes": f"{node_gpus} GPUs: t{here[0]}d{here[1]} ({here[2]:.0f} tok/s); 8 GPUs: t{eight[0]}d{eight[1]} "
-                     f"({eight[2]:.0f} tok/s); target:drafter per-GPU rate {target_rate / drafter_rate:.2f}"}
 
 
 def _baseline_spec(args, dcfg, target_dir: Path, cfg, num_gpus: int, cuda: bool) -> dict:
@@ -275,33 +346,13 @@ def _baseline_spec(args, dcfg, target_dir: Path, cfg, num_gpus: int, cuda: bool)
             "seed": 0, "lr": float(cfg.optim.lr)}
 
 
-def _baseline_row(result: dict, e2e_row: dict | None) -> dict:
-    kinds = "; ".join(f"{n}x {k[:90]}" for k, n in list(result["failure_kinds"].items())[:3])
-    versus = ""
-    if e2e_row and e2e_row.get("tokens_per_s"):
-        versus = f", process design {e2e_row['tokens_per_s']:.0f} tok/s"
-    note = (f"{result['threads']} threads on {','.join(sorted(set(result['drafter_devices'])))}, {result['backend']}"
-            f"{', fx-noise' if result['fx_noise'] else ''}: "
-            f"{result['steps_done']}/{result['steps_attempted']} steps ok, "
-            f"{result['failures']} failed, {result['target_failures']} target forwards failed{versus}"
-            + (f" [{kinds}]" if kinds else "")
-            + (" (sdpa, no FX noise: nothing compiled, 0 failures expected)"
-               if result["backend"] == "sdpa" and not result["fx_noise"] else ""))
-    return {"n": 6, "row": "thread baseline", "seq_len": result["seq_len"],
-            "tokens_per_s": result["steady_tokens_per_s"],
-            **{k: result[k] for k in ("threads", "steps_done", "steps_attempted", "failures", "failure_kinds",
-                                      "target_failures", "target_failure_kinds", "hung_threads", "fx_traces",
-                                      "wall_s", "backend", "fx_noise", "per_thread")},
-            "overall_tokens_per_s": result["tokens_per_s"], "notes": note}
-
-
 def main(argv=None) -> None:
     from launcher.config import ConfigError
     args = parse_args(argv)
     out = Path(args.out) if args.out else default_out()
     try:
         report = run(args)
-    except ConfigError as exc:
+    except (ConfigError, ValueError) as exc:   # bad settings or inputs (MixError, --stage-rates) are ValueErrors
         raise SystemExit(f"launcher.bench: {exc}") from None
     table = format_table(report["rows"])
     report["table"] = table

@@ -4,18 +4,27 @@ from __future__ import annotations
 
 import torch
 
+from dflash_core import shapes as core_shapes
+from dflash_core.families import text_config
+
 # Qwen3-8B's shape (random weights: speed does not depend on weight values).
-QWEN3_8B_SHAPE = dict(vocab_size=151936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
-                      num_key_value_heads=8, head_dim=128, intermediate_size=12288,
+QWEN3_8B_SHAPE = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, num_hidden_layers=36,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12288,
                       max_position_embeddings=40960, rope_theta=1e6)
 # The ~27B shape of the original 8-GPU incident (issue 8).
-QWEN3_27B_SHAPE = dict(vocab_size=151936, hidden_size=5120, num_hidden_layers=64, num_attention_heads=64,
-                       num_key_value_heads=8, head_dim=128, intermediate_size=25600,
+QWEN3_27B_SHAPE = dict(model_type="qwen3", vocab_size=151936, hidden_size=5120, num_hidden_layers=64,
+                       num_attention_heads=64, num_key_value_heads=8, head_dim=128, intermediate_size=25600,
                        max_position_embeddings=40960, rope_theta=1e6)
-SHAPES = {"qwen3-8b": QWEN3_8B_SHAPE, "qwen3-27b": QWEN3_27B_SHAPE}
+# Every --shape: ours plus dflash_core.shapes' (a Qwen3.5/3.6 35B-A3B MoE hybrid, Llama-3-8B).
+SHAPES = {"qwen3-8b": QWEN3_8B_SHAPE, "qwen3-27b": QWEN3_27B_SHAPE, **core_shapes.SHAPES}
 QWEN3_MASK_TOKEN_ID = 151669
+# The drafter's mask token per shape: the public checkpoints' spare ids (Llama 3's first reserved
+# special token); "auto" takes the first id the bench target's tokenizer leaves unused.
+MASK_TOKEN_IDS = {"qwen3-8b": QWEN3_MASK_TOKEN_ID, "qwen3-27b": QWEN3_MASK_TOKEN_ID, "llama3-8b": 128002}
 H200_BF16_MATMUL_TFLOPS = 790.0   # measured-class dense bf16 GEMM rate of one H200 (spec sheet: 989)
 H200_HBM_TB_PER_S = 4.8
+# Text model types whose q_proj also produces the attention output gate (twice the query width).
+GATED_QUERY_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
 
 def layer_matmul_params(hidden, num_heads, num_kv_heads, head_dim, intermediate) -> int:
@@ -88,17 +97,117 @@ def drafter_step_min_bytes(cfg, seq_len: int, anchors: int) -> dict:
     return parts
 
 
-def target_forward_flops(hf_config, kept_layers: int, seq_len: int, batch: int = 1) -> float:
-    """Frozen target forward over `kept_layers` decoder layers (the capture stops after the last
-    captured one): 2 * P_layer * kept * tokens for the matmuls, plus causal attention
-    kept * 4 * heads * head_dim * S(S+1)/2 per row (QK^T and PV, 2 FLOPs per MAC, each query
-    sees itself and the keys before it). No LM head: the capture never runs it."""
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    layer = layer_matmul_params(hf_config.hidden_size, hf_config.num_attention_heads,
-                                hf_config.num_key_value_heads, head_dim, hf_config.intermediate_size)
-    matmuls = 2 * layer * kept_layers * seq_len * batch
-    attention = kept_layers * 4 * hf_config.num_attention_heads * head_dim * seq_len * (seq_len + 1) / 2 * batch
-    return matmuls + attention
+def _layer_kinds(text, kept_layers: int) -> list[str]:
+    kinds = getattr(text, "layer_types", None)
+    return list(kinds[:kept_layers]) if kinds else ["full_attention"] * kept_layers
+
+
+def token_mixer_weights(text, kind: str) -> int:
+    """Matmul weights one token passes through in a layer's token mixer (biases and norms left out).
+    Attention: q (twice as wide where it also makes the output gate), k, v, o. Linear attention
+    (gated DeltaNet): in_proj_qkv, in_proj_z (output gate), in_proj_b and in_proj_a (per value
+    head), out_proj."""
+    hidden = text.hidden_size
+    if kind == "linear_attention":
+        key = text.linear_num_key_heads * text.linear_key_head_dim
+        value = text.linear_num_value_heads * text.linear_value_head_dim
+        return hidden * (2 * key + value) + hidden * value + 2 * hidden * text.linear_num_value_heads + value * hidden
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    query_width = heads * head_dim * (2 if getattr(text, "model_type", None) in GATED_QUERY_MODEL_TYPES else 1)
+    return hidden * query_width + 2 * hidden * kv_heads * head_dim + heads * head_dim * hidden
+
+
+def ffn_weights(text, layer: int) -> int:
+    """Matmul weights one token passes through in layer `layer`'s feed-forward block. Dense: gate,
+    up, down. Sparse (a layer with experts: not in mlp_only_layers, on the decoder_sparse_step):
+    the router (hidden x experts), the top-k routed experts it is sent to (gate, up, down of width
+    moe_intermediate_size, or intermediate_size where that is the expert width, as in gpt-oss) and
+    the shared expert with its sigmoid gate where the family has one."""
+    hidden = text.hidden_size
+    experts = getattr(text, "num_experts", None) or 0
+    step = getattr(text, "decoder_sparse_step", None) or 1
+    sparse = experts and layer not in (getattr(text, "mlp_only_layers", None) or []) and (layer + 1) % step == 0
+    if not sparse:
+        return 3 * hidden * text.intermediate_size
+    width = getattr(text, "moe_intermediate_size", None) or text.intermediate_size
+    shared = getattr(text, "shared_expert_intermediate_size", None) or 0
+    return hidden * experts + text.num_experts_per_tok * 3 * hidden * width + (3 * hidden * shared + hidden
+                                                                                 if shared else 0)
+
+
+def layer_weights_per_token(text, layer: int, kind: str) -> int:
+    return token_mixer_weights(text, kind) + ffn_weights(text, layer)
+
+
+def _visible_keys(documents: list[int], window: int | None) -> int:
+    """Keys summed over queries: causal inside each document, at most `window` keys per query."""
+    total = 0
+    for length in documents:
+        if window is None or length <= window:
+            total += length * (length + 1) // 2
+        else:
+            total += window * (window + 1) // 2 + (length - window) * window
+    return total
+
+
+def _sequence_mixing_flops(text, kind: str, documents: list[int]) -> tuple[str, float]:
+    """(part, FLOPs) of one layer's mixing along the sequence, beyond its projections.
+    Attention: QK^T and PV, 2 FLOPs per MAC each, over the keys each query sees (its own document,
+    causal, within a sliding window where the layer has one). Linear attention: counted as the
+    recurrent form of the gated delta rule, per token and value head a read-out q.S, a prediction
+    k.S and a rank-1 state update (3 x 2 x d_k x d_v FLOPs; the chunked kernel's intra-chunk
+    triangular work is left out, so MFU reads slightly low there), plus the depthwise short
+    convolution (2 x kernel FLOPs per channel)."""
+    tokens = sum(documents)
+    if kind == "linear_attention":
+        key = text.linear_num_key_heads * text.linear_key_head_dim
+        value = text.linear_num_value_heads * text.linear_value_head_dim
+        state = 6 * text.linear_num_value_heads * text.linear_key_head_dim * text.linear_value_head_dim
+        conv = 2 * (2 * key + value) * text.linear_conv_kernel_dim
+        return "recurrence", float(tokens * (state + conv))
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    window = getattr(text, "sliding_window", None) if kind == "sliding_attention" else None
+    return "attention", float(4 * heads * head_dim * _visible_keys(documents, window))
+
+
+def target_forward_flops_breakdown(hf_config, kept_layers: int, seq_len: int, batch: int = 1,
+                                   documents: list[int] | None = None) -> dict:
+    """Model FLOPs of the frozen target's forward over its first `kept_layers` decoder layers (the
+    capture stops after the last captured one; no LM head, no router auxiliary loss).
+
+    `documents`: the lengths of the causal segments of the whole batch (a packed row holds several,
+    its end padding is one more); default `batch` rows of one document of `seq_len` tokens each.
+    Per layer: 2 x (layer_weights_per_token) x tokens for the projections ("matmuls": attention or
+    linear-attention projections, the dense MLP or the router + top-k experts + shared expert), plus
+    the sequence mixing of `_sequence_mixing_flops`. A composite config counts its text decoder.
+    """
+    text = text_config(hf_config)
+    documents = list(documents) if documents is not None else [seq_len] * batch
+    tokens = sum(documents)
+    parts = {"matmuls": 0.0, "attention": 0.0, "recurrence": 0.0}
+    for layer, kind in enumerate(_layer_kinds(text, kept_layers)):
+        parts["matmuls"] += 2.0 * layer_weights_per_token(text, layer, kind) * tokens
+        part, flops = _sequence_mixing_flops(text, kind, documents)
+        parts[part] += flops
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def target_forward_flops(hf_config, kept_layers: int, seq_len: int, batch: int = 1,
+                         documents: list[int] | None = None) -> float:
+    """Total of target_forward_flops_breakdown."""
+    return target_forward_flops_breakdown(hf_config, kept_layers, seq_len, batch, documents)["total"]
+
+
+def documents_of(position_ids) -> list[int]:
+    """Segment lengths of one row's position ids: a new segment starts at every 0 (a padded row
+    is one segment, padding included; a packed row's documents and its end padding are several)."""
+    positions = position_ids.tolist() if torch.is_tensor(position_ids) else list(position_ids)
+    starts = [0] + [i for i, p in enumerate(positions) if p == 0 and i > 0] + [len(positions)]
+    return [b - a for a, b in zip(starts, starts[1:]) if b > a]
 
 
 def balance_advice(target_rate: float, drafter_rate: float, num_gpus: int) -> tuple[int, int, float]:

@@ -5,16 +5,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from launcher.bench.counts import drafter_step_flops, target_forward_flops
+from launcher.bench.ceiling import rate_fields, sync
+from launcher.bench.counts import documents_of, drafter_step_flops, target_forward_flops
+from launcher.bench.report import fmt
 
 REPO = Path(__file__).resolve().parents[2]
 _T0 = time.perf_counter()
@@ -24,108 +26,158 @@ def progress(message: str) -> None:
     print(f"[bench +{time.perf_counter() - _T0:6.1f}s] {message}", flush=True)
 
 
-# ------------------------------------------------------------------------------ timing helpers
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+# ------------------------------------------------------------------------------ workloads
+@dataclass
+class Workload:
+    """The micro-batches one measured row feeds a stage, one per step, cycled through."""
+    row: str                          # the row's name
+    seq_len: int
+    input_ids: list[torch.Tensor]     # [1, S] each
+    loss_masks: list[torch.Tensor]    # [1, S]
+    position_ids: list[torch.Tensor]  # [1, S]: restarting at every document of a packed row
+    real_tokens: list[int]            # non-padding tokens per micro-batch
+    packed: bool                      # the target captures per document (the launcher passes positions)
+    extra: dict = field(default_factory=dict)   # fields copied into the row (mode, padding, mix)
+    profile: bool = False             # --profile: two more drafter steps under torch.profiler
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
 
 
-def timed_reps(fn, device: torch.device, *, warmup: int, reps: int) -> list[float]:
-    """Seconds per call of fn, one value per timed rep (CUDA events on GPU, synchronised)."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return times
+def full_row_workload(seq_len: int, id_limit: int, num_anchors: int, *, seed: int = 0) -> Workload:
+    """Two synthetic full rows: every token real and supervised (the benchmark's original rows)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(0, id_limit, (1, seq_len), generator=gen) for _ in range(2)]
+    return Workload("full rows", seq_len, ids, [torch.ones_like(i) for i in ids],
+                    [torch.arange(seq_len).unsqueeze(0)] * 2, [seq_len] * 2, packed=False,
+                    extra={"mode": "full", "epoch_padding_fraction": 0.0,
+                           "epoch_anchor_fill": min(seq_len - 1, num_anchors) / num_anchors})
 
 
-# ------------------------------------------------------------------------------ row 1: matmul
-def matmul_ceiling(device: torch.device, *, tiny: bool, reps: int = 20) -> dict:
-    """Median TFLOP/s of a square matmul on random data: bf16 8192^3 on GPU, fp32 1024^3 on CPU."""
-    n, dtype = (1024, torch.float32) if device.type == "cpu" or tiny else (8192, torch.bfloat16)
-    gen = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
-    b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
-    times = timed_reps(lambda: torch.mm(a, b), device, warmup=3, reps=max(reps, 10))
-    median = statistics.median(times)
-    return {"row": "matmul ceiling", "ms_per_step": 1e3 * median, "tflops": 2 * n ** 3 / median / 1e12,
-            "mfu": 1.0, "shape": f"{n}^3 {str(dtype).removeprefix('torch.')}", "reps": len(times),
-            "notes": f"{n}^3 {str(dtype).removeprefix('torch.')}, median of {len(times)}"}
+def mix_workload(rows, seq_len: int) -> Workload:
+    """The micro-batches of a launcher.bench.mix.MixRows (micro-batch 1)."""
+    return Workload(f"{rows.mode} mix", seq_len, [b.input_ids for b in rows.batches],
+                    [b.loss_mask for b in rows.batches], [b.position_ids for b in rows.batches],
+                    list(rows.real_tokens), packed=rows.mode == "packed",
+                    extra={"mode": rows.mode, "epoch_padding_fraction": rows.padding_fraction,
+                           "epoch_anchor_fill": rows.epoch_anchor_fill})
+
+
+def _measured_steps(step, num_batches: int, device, *, warmup: int, steps: int, clock) -> list[tuple]:
+    """(seconds, micro-batch k, what step(k) returned) of each timed step; step(k) runs micro-batch k
+    of num_batches, cycled. Each step is timed between synchronisations of `device` (wall clock:
+    right whatever the current device is, unlike events recorded on the current stream)."""
+    for i in range(warmup):
+        step(i % num_batches)
+    timed = []
+    for i in range(warmup, warmup + steps):
+        k = i % num_batches
+        sync(device)
+        start = clock()
+        out = step(k)
+        sync(device)
+        timed.append((clock() - start, k, out))
+    return timed
+
+
+def _throughput(stage: str, workload: Workload, timed: list[tuple], flops: list[float], ceiling) -> dict:
+    """The fields every stage row shares: mean step time, FLOPs, MFU, real tokens/s and padding over
+    the timed steps, and the real tokens/s of a whole epoch of such rows at that step time."""
+    seconds = sum(t for t, _, _ in timed)
+    real = sum(workload.real_tokens[k] for _, k, _ in timed)
+    step_s = seconds / len(timed)
+    return {"row": f"{stage} alone, {workload.row}", "stage": stage, "seq_len": workload.seq_len, "steps": len(timed),
+            **rate_fields(sum(flops) / len(flops), step_s, ceiling),
+            "tokens_per_s": real / seconds, "padding_fraction": 1 - real / (workload.seq_len * len(timed)),
+            **workload.extra,
+            "epoch_tokens_per_s": (1 - workload.extra["epoch_padding_fraction"]) * workload.seq_len / step_s}
 
 
 # ------------------------------------------------------------------------------ row 2: target
-def target_stage(hf_config, layer_ids, device, dtype, seqs, *, warmup: int, reps: int, ceiling: float) -> list[dict]:
+def target_stage(hf_config, layer_ids, device, dtype, workloads: list[Workload], *, warmup: int, reps: int,
+                 ceiling: float | None, compiled: bool = False, full_forward: bool = True,
+                 clock=time.perf_counter) -> list[dict]:
+    """The frozen target's capture() on one device as the launcher runs it (`compiled`: its layers
+    through torch.compile, job.compile.target_compiled), one row per workload: real (non-padding)
+    tokens/s, the padding share it forwarded, compiles, and where the family runs slow fallbacks
+    (families.kernel_notes, printed and kept in the row)."""
+    from dflash_core.families import kernel_notes
     from dflash_core.target import random_target
 
     t0 = time.perf_counter()
-    target = random_target(hf_config, layer_ids=layer_ids, device=device, dtype=dtype, seed=0)
-    progress(f"target built in {time.perf_counter() - t0:.1f}s ({target.num_kept_layers} layers kept, "
-             f"captures {layer_ids})")
-    rows = []
-    gen = torch.Generator().manual_seed(0)
-    for seq_len in seqs:
-        ids = torch.randint(0, min(hf_config.vocab_size, 1024), (1, seq_len), generator=gen).to(device)
-        times = timed_reps(lambda: target.capture(ids), device, warmup=warmup, reps=reps)
-        step = statistics.median(times)
-        flops = target_forward_flops(hf_config, target.num_kept_layers, seq_len)
-        row = {"row": "target alone", "seq_len": seq_len, "ms_per_step": 1e3 * step,
-               "tokens_per_s": seq_len / step, "tflops": flops / step / 1e12,
-               "mfu": flops / step / 1e12 / ceiling, "flops_per_step": flops, "kept_layers": target.num_kept_layers,
-               "notes": f"{target.num_kept_layers} layers, 1 GPU" if device.type == "cuda" else
-               f"{target.num_kept_layers} layers, cpu"}
-        rows.append(row)
-        progress(f"target alone S={seq_len}: {row['ms_per_step']:.1f} ms, {row['tokens_per_s']:.0f} tokens/s, "
-                 f"{row['tflops']:.1f} TFLOP/s")
+    target = random_target(hf_config, layer_ids=layer_ids, device=device, dtype=dtype, seed=0, compiled=compiled)
+    notes = kernel_notes(target.decoder.config)
+    progress(f"target built in {time.perf_counter() - t0:.1f}s ({target.num_kept_layers} layers kept, captures "
+             f"{layer_ids}, {'compiled' if compiled else 'eager'})" + "".join(f"\n  kernel note: {n}" for n in notes))
+    rows = [_target_row(target, hf_config, workload, device, warmup=warmup, reps=reps, ceiling=ceiling,
+                        notes=notes, clock=clock) for workload in workloads]
     del target
-    _compare_full_forward(hf_config, device, dtype, rows, warmup=warmup, reps=reps)
+    if full_forward:
+        _compare_full_forward(hf_config, device, dtype, [r for r in rows if r["mode"] == "full"],
+                              warmup=warmup, reps=reps, clock=clock)
     return rows
 
 
-def _compare_full_forward(hf_config, device, dtype, rows: list[dict], *, warmup: int, reps: int) -> None:
+def _target_row(target, hf_config, workload: Workload, device, *, warmup: int, reps: int, ceiling, notes, clock):
+    from dflash_core.compile import compile_count
+
+    ids = [i.to(device) for i in workload.input_ids]
+    positions = [p.to(device) for p in workload.position_ids] if workload.packed else [None] * len(ids)
+    before = compile_count("target_layer")
+    timed = _measured_steps(lambda k: target.capture(ids[k], position_ids=positions[k]), len(ids), device,
+                            warmup=warmup, steps=reps, clock=clock)
+    flops = [target_forward_flops(hf_config, target.num_kept_layers, workload.seq_len,
+                                  documents=documents_of(workload.position_ids[k][0]) if workload.packed else None)
+             for _, k, _ in timed]
+    row = {**_throughput("target", workload, timed, flops, ceiling),
+           "kept_layers": target.num_kept_layers, "compiles_before": before,
+           "compiles_after_timed": compile_count("target_layer"), "kernel_notes": notes}
+    row["notes"] = (f"{target.num_kept_layers} layers, {device.type}, compiles {before}->"
+                    f"{row['compiles_after_timed']}" + ("; kernel notes: " + "; ".join(n.split(":")[0] for n in notes)
+                                                        if notes else ""))
+    progress(f"{row['row']} S={workload.seq_len}: {row['ms_per_step']:.1f} ms, {row['tokens_per_s']:.0f} real "
+             f"tokens/s, {row['tflops']:.1f} TFLOP/s, padding {row['padding_fraction']:.0%}")
+    return row
+
+
+def _compare_full_forward(hf_config, device, dtype, rows: list[dict], *, warmup: int, reps: int, clock) -> None:
     """Time the whole model with output_hidden_states (what capture would cost without truncation)
-    beside each truncated row, so the saving is measured, not assumed."""
+    beside each full-row row, so the saving is measured, not assumed."""
     from transformers import AutoModelForCausalLM
+
+    from dflash_core.families import text_config
 
     torch.manual_seed(0)
     with torch.device(device):
         full = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()
     gen = torch.Generator().manual_seed(0)
     for row in rows:
-        ids = torch.randint(0, min(hf_config.vocab_size, 1024), (1, row["seq_len"]), generator=gen).to(device)
+        ids = torch.randint(0, min(text_config(hf_config).vocab_size, 1024), (1, row["seq_len"]), generator=gen)
+        ids = ids.to(device)
 
-        def forward():
+        def forward(_):
             with torch.inference_mode():
                 full(input_ids=ids, output_hidden_states=True, use_cache=False)
-        row["full_forward_ms"] = 1e3 * statistics.median(timed_reps(forward, device, warmup=warmup, reps=reps))
-        row["notes"] += f"; full forward {row['full_forward_ms']:.1f} ms ({row['full_forward_ms'] / row['ms_per_step']:.2f}x)"
+        timed = _measured_steps(forward, 1, device, warmup=warmup, steps=reps, clock=clock)
+        row["full_forward_ms"] = 1e3 * sum(t for t, _, _ in timed) / len(timed)
+        ratio = row["full_forward_ms"] / row["ms_per_step"]
+        row["notes"] += f"; full eager forward {row['full_forward_ms']:.1f} ms ({ratio:.2f}x)"
         progress(f"full forward S={row['seq_len']}: {row['full_forward_ms']:.1f} ms")
-    del full
 
 
 # ------------------------------------------------------------------------------ row 3: drafter
-def drafter_stage(job, seqs, *, work: Path, warmup: int, steps: int, ceiling: float,
-                  profile: bool = False) -> list[dict]:
-    """The real training step (launcher.roles.trainer.DrafterTrainer.train_step) of one drafter rank,
-    fed from memory. profile: two more steps at the last length under torch.profiler; the kernel
-    table is printed and kept in that row (with dynamo's compile times)."""
+def drafter_stage(job, workloads: list[Workload], *, work: Path, warmup: int, steps: int, ceiling: float | None,
+                  clock=time.perf_counter) -> list[dict]:
+    """The real training step (launcher.roles.trainer.DrafterTrainer.train_step) of one drafter rank on
+    job.device, fed each workload's micro-batches from memory (random target features), one row per
+    workload: supervised blocks/s (valid anchors per second), anchor_fill, real tokens/s, compiles
+    before and after the timed steps and dflash_core.compile.report(). A workload marked `profile`
+    runs two more steps under torch.profiler; the kernel table and dynamo's compile times land in
+    its row."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    from dflash_core.compile import compile_count
-    from launcher.distributed.channel import FeatureBatch
     from launcher.roles.trainer import DrafterTrainer
 
     device = job.device
@@ -135,68 +187,86 @@ def drafter_stage(job, seqs, *, work: Path, warmup: int, steps: int, ceiling: fl
     dist.init_process_group(backend, store=dist.FileStore(str(store_path), 1), rank=0, world_size=1,
                             timeout=timedelta(seconds=job.cfg.run.timeout_s),
                             device_id=device if backend == "nccl" else None)
-    rows = []
     try:
         t0 = time.perf_counter()
         with torch.device(device):  # initialise on the GPU: a 1B-parameter CPU init takes seconds
             trainer = DrafterTrainer(job, dist.group.WORLD)
-        dcfg = job.drafter
         params = sum(p.numel() for p in trainer.drafter.parameters())
         progress(f"drafter built in {time.perf_counter() - t0:.1f}s ({params / 1e6:.1f}M params, "
-                 f"backend {job.step.backend}, {job.step.num_anchors} anchors x {dcfg.block_size})")
+                 f"backend {job.step.backend}, {job.step.num_anchors} anchors x {job.drafter.block_size})")
         gen = torch.Generator(device=device).manual_seed(0)
-        index = 0
-        for seq_len in seqs:
-            def random_batch():
-                ids = torch.randint(0, min(dcfg.mask_token_id, 1024), (1, seq_len), device=device, generator=gen)
-                hidden = torch.randn(1, seq_len, job.target.feature_width, device=device, dtype=torch.bfloat16,
-                                     generator=gen)
-                return FeatureBatch(0, ids, torch.ones_like(ids), torch.arange(seq_len, device=device).unsqueeze(0),
-                                    hidden, seq_len)
-            batches = [random_batch() for _ in range(2)]
-
-            def step():
-                nonlocal index
-                # A new micro-batch index each step: new anchors, exactly as in training.
-                batch = dataclasses.replace(batches[index % 2], index=index)
-                index += 1
-                trainer.train_step([batch])   # ends with .item() calls: synchronised
-
-            t0 = time.perf_counter()
-            for _ in range(warmup):
-                step()
-            warm_s = time.perf_counter() - t0
-            compiles_warm = compile_count()
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            times = []
-            for _ in range(steps):
-                _sync(device)
-                t1 = time.perf_counter()
-                step()
-                _sync(device)
-                times.append(time.perf_counter() - t1)
-            compiles_after = compile_count()
-            step_s = statistics.median(times)
-            flops = drafter_step_flops(dcfg, seq_len, job.step.num_anchors)
-            peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-            row = {"row": "drafter alone", "seq_len": seq_len, "ms_per_step": 1e3 * step_s,
-                   "tokens_per_s": seq_len / step_s, "samples_per_s": 1 / step_s,
-                   "tflops": flops / step_s / 1e12, "mfu": flops / step_s / 1e12 / ceiling,
-                   "flops_per_step": flops, "peak_memory_gib": peak, "warmup_s": warm_s,
-                   "compiles_after_warmup": compiles_warm, "compiles_after_timed": compiles_after,
-                   "compiles_stable": compiles_after == compiles_warm, "params_m": params / 1e6,
-                   "notes": (f"peak {peak:.1f} GiB, " if peak is not None else "")
-                   + f"compiles {compiles_warm}->{compiles_after}, warmup {warm_s:.0f}s"}
-            if profile and seq_len == seqs[-1]:
-                row["profile"] = _profile(step, device)
-            rows.append(row)
-            progress(f"drafter alone S={seq_len}: {row['ms_per_step']:.1f} ms/step, {row['tokens_per_s']:.0f} "
-                     f"tokens/s, {row['tflops']:.1f} TFLOP/s, MFU {row['mfu']:.2f}, {row['notes']}")
-        del trainer
+        stepper = _Stepper(trainer)
+        rows = [_drafter_workload(stepper, job, workload, gen, warmup=warmup, steps=steps, ceiling=ceiling,
+                                  params=params, clock=clock) for workload in workloads]
+        del trainer, stepper
     finally:
         dist.destroy_process_group()
     return rows
+
+
+class _Stepper:
+    """Training steps on fixed micro-batches, each with a new micro-batch index (new anchors, as in
+    training); returns the step's StepCounts (train_step ends with .item() calls: synchronised)."""
+
+    def __init__(self, trainer):
+        self.trainer, self.index, self.batches = trainer, 0, []
+
+    def __call__(self, k: int):
+        result = self.trainer.train_step([dataclasses.replace(self.batches[k], index=self.index)])
+        self.index += 1
+        return result.counts
+
+
+def _drafter_workload(stepper: _Stepper, job, workload: Workload, gen, *, warmup: int, steps: int, ceiling,
+                      params: int, clock) -> dict:
+    from dflash_core.compile import compile_count, report
+    from launcher.distributed.channel import HIDDEN_DTYPE, FeatureBatch
+
+    device = job.device
+    hidden = torch.randn(1, workload.seq_len, job.target.feature_width, device=device, dtype=HIDDEN_DTYPE,
+                         generator=gen)
+    stepper.batches = [FeatureBatch(0, workload.input_ids[k].to(device), workload.loss_masks[k].to(device),
+                                    workload.position_ids[k].to(device), hidden, workload.real_tokens[k])
+                       for k in range(len(workload))]
+    before = compile_count()
+    t1 = time.perf_counter()
+    for k in range(warmup):
+        stepper(k % len(workload))
+    warm_s = time.perf_counter() - t1
+    warm = compile_count()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    timed = _measured_steps(stepper, len(workload), device, warmup=0, steps=steps, clock=clock)
+    row = _drafter_row(job, workload, timed, ceiling, params=params, warm_s=warm_s,
+                       compiles=(before, warm, compile_count()), report=report())
+    if workload.profile:
+        row["profile"] = _profile(lambda: stepper(0), device)
+    return row
+
+
+def _drafter_row(job, workload: Workload, timed, ceiling, *, params: int, warm_s: float, compiles: tuple,
+                 report: dict) -> dict:
+    device = job.device
+    flops = drafter_step_flops(job.drafter, workload.seq_len, job.step.num_anchors)
+    seconds = sum(t for t, _, _ in timed)
+    valid = sum(float(counts.tau_count) for _, _, counts in timed)
+    slots = sum(float(counts.anchor_slots) for _, _, counts in timed)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    before, warm, after = compiles
+    row = {**_throughput("drafter", workload, timed, [flops], ceiling),
+           "samples_per_s": len(timed) / seconds, "supervised_blocks_per_s": valid / seconds,
+           "epoch_supervised_blocks_per_s": workload.extra["epoch_anchor_fill"] * job.step.num_anchors
+           * len(timed) / seconds,
+           "anchor_fill": valid / slots if slots else None, "peak_memory_gib": peak, "warmup_s": warm_s,
+           "compiles_before": before, "compiles_after_warmup": warm, "compiles_after_timed": after,
+           "compiles_stable": after == warm, "compile_report": report, "params_m": params / 1e6}
+    row["notes"] = (f"epoch: {row['epoch_supervised_blocks_per_s']:.0f} blocks/s, fill "
+                    f"{row['epoch_anchor_fill']:.2f}, {row['epoch_tokens_per_s']:.0f} real tok/s; "
+                    + (f"peak {peak:.1f} GiB, " if peak is not None else "")
+                    + f"compiles {before}->{warm}->{after}, warmup {warm_s:.0f}s")
+    progress(f"{row['row']} S={workload.seq_len}: {row['ms_per_step']:.1f} ms/step, {row['tokens_per_s']:.0f} real "
+             f"tokens/s, {row['tflops']:.1f} TFLOP/s, MFU {fmt(row['mfu'], '.2f')}, {row['notes']}")
+    return row
 
 
 def _profile(step, device: torch.device, steps: int = 2) -> dict:
@@ -207,7 +277,7 @@ def _profile(step, device: torch.device, steps: int = 2) -> dict:
     with profile(activities=activities) as prof:
         for _ in range(steps):
             step()
-        _sync(device)
+        sync(device)
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70)
     times = compile_times(repr="str", aggregate=True)
@@ -258,18 +328,18 @@ def child_env(*, tiny: bool, **extra) -> dict:
 
 
 # ------------------------------------------------------------------------------ row 4: end to end
-def e2e_stage(overrides: list[str], *, topology, work: Path, tiny: bool, timeout_s: float) -> dict:
+def e2e_stage(overrides: list[str], *, topology, work: Path, tiny: bool, timeout_s: float, name: str = "e2e") -> dict:
     """The real launcher under torchrun with `topology` (a launcher.distributed.topology.Topology), one process
-    per rank; returns its summary.json."""
+    per rank, in run dir work/<name>; returns its summary.json."""
     import shutil
 
-    run_dir = work / "e2e"
+    run_dir = work / name
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={topology.world_size}",
            "-m", "launcher.train", f"topology={topology.spec}", *overrides, f"run.dir={run_dir}",
            f"isolation.cache_root={work / 'compile_cache'}"]
     progress("end to end: " + " ".join(cmd[1:]))
-    code, tail = stream(cmd, env=child_env(tiny=tiny), timeout_s=timeout_s, prefix="e2e")
+    code, tail = stream(cmd, env=child_env(tiny=tiny), timeout_s=timeout_s, prefix=name)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)   # the 8B drafter's final checkpoint is ~12 GB
     summary_path = run_dir / "summary.json"
     if code != 0 or not summary_path.is_file():
