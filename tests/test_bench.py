@@ -445,6 +445,18 @@ def test_balance_rows_per_mode_and_stage_rates_from_json(tmp_path):
         load_stage_rates(tmp_path / "empty.json")
 
 
+def test_bad_bench_flags_are_clear_errors(capsys):
+    from launcher.bench.__main__ import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--modes", "padded,sorted"])
+    assert "--modes 'padded,sorted': choose from padded, packed" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--mix-only", "--no-mix"])
+    assert "exclude each other" in capsys.readouterr().err
+    args = parse_args(["--tiny", "--seq", "32,96", "--modes", "packed"])
+    assert args.mix_seq == 96 and args.modes == ["packed"] and args.mix_samples == 160
+
+
 # ------------------------------------------------------------------------------ the whole harness
 @pytest.mark.multiproc
 def test_tiny_harness_end_to_end(tmp_path, tiny_target_dir):

@@ -37,7 +37,7 @@ class Workload:
     position_ids: list[torch.Tensor]  # [1, S]: restarting at every document of a packed row
     real_tokens: list[int]            # non-padding tokens per micro-batch
     packed: bool                      # the target captures per document (the launcher passes positions)
-    extra: dict = field(default_factory=dict)   # fields copied into the row (mode, padding, mix)
+    extra: dict = field(default_factory=dict)   # copied into the row: mode, epoch padding and anchor fill
     profile: bool = False             # --profile: two more drafter steps under torch.profiler
 
     def __len__(self) -> int:
