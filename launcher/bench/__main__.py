@@ -237,15 +237,16 @@ def run(args) -> dict:
     extra = ([] if cuda else ["run.device=cpu"]) + list(args.overrides)   # --tiny on a GPU stays on the CPU
     cfg = compose_config(run_overrides(data_path=data_path, seq_len=max(args.seqs + [args.mix_seq]),
                                        steps=args.warmup + args.steps, **over) + extra)
-    # The drafter stage compiles into the cache dir of the end-to-end runs' first drafter, for cuda:0 as
-    # every launcher worker sees its own GPU (inductor's cache keys include the device index), so those
-    # runs start warm: a cold compile costs minutes at the 8B shape.
+    # The drafter stage compiles into the cache dir of the end-to-end runs' first drafter, on that rank's
+    # GPU (inductor's graph keys include the device index), so those runs start warm: a cold compile
+    # costs minutes at the 8B shape.
     first_drafter = e2e_topology.num_targets
-    isolate("drafter", first_drafter, 1, work / "compile_cache", device, cfg.isolation.recompile_limit,
+    drafter_device = torch.device("cuda", first_drafter) if cuda and num_gpus > first_drafter else device
+    isolate("drafter", first_drafter, 1, work / "compile_cache", drafter_device, cfg.isolation.recompile_limit,
             cfg.isolation.compile_threads)
     if args.tiny:   # tiny shapes on cores other jobs share: more threads only spin (50x slower on 2 busy cores)
         torch.set_num_threads(1)
-    job = resolve(cfg, Topology(num_targets=0, num_drafters=1), device)   # one drafter rank
+    job = resolve(cfg, Topology(num_targets=0, num_drafters=1), drafter_device)   # one drafter rank
     dcfg, hf_config = job.drafter, job.target.hf_config
     meta = {"torch": torch.__version__, "device": device_name, "num_gpus": num_gpus, "tiny": args.tiny,
             "shape_name": shape_name, "seqs": args.seqs, "mix_seq": args.mix_seq, "anchors": args.anchors,
@@ -276,7 +277,7 @@ def run(args) -> dict:
         lambda workloads: drafter_stage(job, workloads, work=work, warmup=args.warmup, steps=args.steps,
                                         ceiling=ceiling),
         full, mixes, "skipped (--skip-drafter)" if args.skip_drafter else None)
-    _free(device)
+    _free(drafter_device)
     rates = {**(load_stage_rates(Path(args.stage_rates)) if args.stage_rates else {}),
              **stage_rates(target_rows + drafter_rows)}
 
