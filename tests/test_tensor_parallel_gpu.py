@@ -29,7 +29,6 @@ def _worker(out_dir: str) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
-
     from transformers import Qwen3Config
 
     from dflash_core.target import random_target
