@@ -85,6 +85,7 @@ def run_drafter(ctx: Context, sink: MetricsSink | None) -> dict:
     if ctx.resume_from is not None:
         trainer.load_state(checkpoint.load(ctx.resume_from)[1])
     compile_s = _warm_up(ctx, trainer)   # the warm-up, or else the first step: when this process compiles
+    graphs_before_stream = compile_count()
     dist.barrier(group=ctx.groups.startup)
     receiver = Receiver(sched.items_for_drafter(topo.drafter_index(ctx.rank), ctx.start_step), topo.unit_leader,
                         ctx.comm_device, ctx.device)
@@ -136,4 +137,5 @@ def run_drafter(ctx: Context, sink: MetricsSink | None) -> dict:
                            card=_card(ctx, trainer, last_eval))
             log.info("exported the drafter to %s", ctx.run_dir / "export")
     return {**stats.result(), "items": len(receiver.received), "compiles": compile_count(), "compile_s": compile_s,
+            "recompiles": compile_count() - graphs_before_stream if ctx.job.compile.warm_up_shape else None,
             "compile_report": report()}

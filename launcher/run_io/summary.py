@@ -35,6 +35,8 @@ def summarise(ctx: Context, per_rank: list[dict]) -> dict:
         "target_padding_fraction": 1 - sum(s["tokens"] for s in targets) / slots if slots else None,
         "compiles": {s["rank"]: s["compiles"] for s in drafters},
         "compile_s": {s["rank"]: s["compile_s"] for s in drafters},
+        # Graphs compiled after the warm-up, in the stream: a static-shape run keeps this at 0.
+        "recompiles": {s["rank"]: s["recompiles"] for s in drafters},
         "compile_report": lead["compile_report"],
         "target_idle_fraction": _mean(s["send_wait_s"] / s["wall_s"] for s in targets),
         "drafter_idle_fraction": _mean(s["recv_wait_s"] / s["wall_s"] for s in drafters),
