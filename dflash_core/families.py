@@ -16,6 +16,8 @@ from torch import nn
 
 # Attention backends whose capture (and packed capture) the tests check on CPU, fp32.
 VERIFIED_ATTENTION = ("eager", "sdpa")
+VARLEN = "varlen_causal"   # dflash_core.packing.varlen_attention in transformers' AttentionInterface (a name with
+# "flash" in it would make transformers look for a flash-attention package)
 
 
 class TargetError(ValueError):
@@ -43,6 +45,9 @@ class Family:
     dense_intermediate_key: str | None = "intermediate_size"
     # (python module, what it accelerates, what transformers' torch fallback costs without it)
     fast_kernels: tuple[tuple[str, str, str], ...] = ()
+    # Plain causal softmax attention in every layer (no sinks, windows or recurrent layers): packed
+    # rows can run dflash_core.packing.varlen_attention instead of a dense block-diagonal mask.
+    varlen: bool = False
 
 
 _EXPERTS_REPLICATED = ("mlp.experts", "mlp.gate", "mlp.router")
@@ -57,14 +62,14 @@ _ATTENTION_PLAN = (("self_attn.q_proj", "colwise"), ("self_attn.k_proj", "colwis
                    ("self_attn.v_proj", "colwise"), ("self_attn.o_proj", "rowwise"))
 
 FAMILIES = {family.name: family for family in (
-    Family("qwen3", ("qwen3",)),
-    Family("qwen3_moe", ("qwen3_moe",), tp_replicated=_EXPERTS_REPLICATED),
+    Family("qwen3", ("qwen3",), varlen=True),
+    Family("qwen3_moe", ("qwen3_moe",), tp_replicated=_EXPERTS_REPLICATED, varlen=True),
     Family("qwen3_5", ("qwen3_5", "qwen3_5_text"), recurrent_mixer="linear_attn",
            fast_kernels=_LINEAR_ATTENTION_KERNELS),
     Family("qwen3_5_moe", ("qwen3_5_moe", "qwen3_5_moe_text"), recurrent_mixer="linear_attn",
            tp_replicated=_EXPERTS_REPLICATED + ("mlp.shared_expert_gate",), dense_intermediate_key=None,
            fast_kernels=_LINEAR_ATTENTION_KERNELS),
-    Family("llama", ("llama",)),
+    Family("llama", ("llama",), varlen=True),
     # transformers has no layer plan for gpt-oss (its experts are served by expert parallelism):
     # attention is split by heads with our plan, the attention sinks (one logit per head) with them.
     Family("gpt_oss", ("gpt_oss",), attention=("eager",), mask_from_positions=False, tp_replicated=_EXPERTS_REPLICATED,
@@ -141,13 +146,16 @@ def packing_supported(config, attn_implementation: str | None = None) -> tuple[b
     """Whether packed rows (several documents per row, positions restarting at 0) capture exactly
     what each document would alone, and if not why. Attention gets a block-diagonal causal mask
     from the position ids (transformers' packed-sequence path); recurrent layers are regrouped
-    per document (dflash_core.packing). Checked on the eager and sdpa backends only."""
+    per document (dflash_core.packing). Checked on the eager and sdpa backends, and on the
+    variable-length attention (dflash_core.packing.VARLEN) of the families that allow it."""
     try:
         family = family_of(config)
     except TargetError as error:
         return False, str(error)
     backend = (attn_implementation or getattr(text_config(config), "_attn_implementation", None)
                or ("sdpa" if "sdpa" in family.attention else "eager"))  # transformers' own default
+    if backend == VARLEN and family.varlen:
+        return True, f"{family.name}: causal attention per document (variable-length kernel)"
     if backend not in VERIFIED_ATTENTION:
         return False, (f"packed rows are verified with attention backends {VERIFIED_ATTENTION} only; "
                        f"the {family.name} target uses {backend!r}")

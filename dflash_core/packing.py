@@ -23,7 +23,7 @@ import contextlib
 import torch
 from torch import nn
 
-from .families import TargetError
+from .families import VARLEN, TargetError
 
 
 class Documents:
@@ -120,3 +120,50 @@ class RecurrentRegrouping:
         if isinstance(output, tuple):
             return (self._documents.ungroup(output[0]), *output[1:])
         return self._documents.ungroup(output)
+
+
+# ----------------------------------------------------------------------------------- varlen attention
+
+
+def cu_seqlens(documents: Documents) -> torch.Tensor:
+    """int32 [N + 1]: where each document of the flattened [B*S] rows starts, then the total."""
+    starts = (documents.offset == 0).nonzero().flatten()
+    return torch.cat([starts, starts.new_tensor([documents.offset.numel()])]).to(torch.int32)
+
+
+@torch.compiler.disable   # the number of documents is data: outside any compiled graph
+def _causal_per_document(q, k, v, cu: torch.Tensor, max_length: int, scale: float | None):
+    """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D], causal inside each document [cu[i], cu[i+1])."""
+    if q.is_cuda:   # flash attention's variable-length kernel: no [S, S] mask, no work across documents
+        return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_length, max_length, 0.0, True, False,
+                                                       scale=scale)[0]
+    out = torch.empty_like(q)   # the reference (CPU): one causal sdpa call per document
+    bounds = cu.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end > start:
+            out[start:end] = torch.nn.functional.scaled_dot_product_attention(
+                *(t[start:end].transpose(0, 1) for t in (q, k, v)), is_causal=True, scale=scale,
+                enable_gqa=q.shape[1] != k.shape[1]).transpose(0, 1)
+    return out
+
+
+def varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """A transformers attention implementation for packed rows: causal attention inside each
+    document, from `cu_seq_lens_q` (the document starts over the flattened rows; absent: one
+    document per row). Dense attention with a block-diagonal [S, S] mask computes every document
+    pair and misses the causal kernels; this runs only the real work."""
+    batch, heads, length, dim = query.shape
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        cu = torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=query.device)
+    flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value)]
+    out = _causal_per_document(*flat, cu, length, scaling)
+    return out.view(batch, length, heads, dim), None
+
+
+def _register_varlen() -> None:
+    from transformers import AttentionInterface
+    AttentionInterface.register(VARLEN, varlen_attention)
+
+
+_register_varlen()

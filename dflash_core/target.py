@@ -20,6 +20,7 @@ from torch import nn
 
 from .compile import compiled_function
 from .families import (
+    VARLEN,
     TargetError,
     decoder_of,
     family_of,
@@ -29,7 +30,7 @@ from .families import (
     text_config,
     truncated_config,
 )
-from .packing import Documents, RecurrentRegrouping, block_diagonal_masks
+from .packing import Documents, RecurrentRegrouping, block_diagonal_masks, cu_seqlens
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
 __all__ = ["CapturingTarget", "TargetError", "load_target", "random_target"]
@@ -143,15 +144,19 @@ class CapturingTarget:
         exactly as if it were forwarded alone (see dflash_core.packing).
         """
         documents = self._documents(input_ids, position_ids) if position_ids is not None else None
-        masks = None
-        if documents is not None and not (self.family.mask_from_positions or documents.one_per_row):
+        masks, varlen = None, {}
+        if documents is not None and self.decoder.config._attn_implementation == VARLEN:
+            length = input_ids.shape[1]
+            cu = cu_seqlens(documents)
+            varlen = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": length, "max_length_k": length}
+        elif documents is not None and not (self.family.mask_from_positions or documents.one_per_row):
             masks = block_diagonal_masks(documents, self.decoder.config.layer_types,
                                          getattr(self.decoder.config, "sliding_window", None), self.dtype, self.device)
         try:
             with torch.inference_mode(), self._regrouping.packed(documents):
                 output = self.decoder(input_ids=input_ids.to(self.device), attention_mask=masks,
                                       position_ids=None if documents is None else position_ids.to(self.device),
-                                      use_cache=False)
+                                      use_cache=False, **varlen)
             if self._final_layer_id in self._captured:  # HF reports the last layer after the norm
                 self._captured[self._final_layer_id] = output.last_hidden_state
             # Concatenated outside inference mode, so the result is an ordinary tensor that the
@@ -203,7 +208,7 @@ def load_target(path, *, layer_ids, device="cpu", dtype=torch.bfloat16,
 
 
 def random_target(config, *, layer_ids, device="cpu", dtype=torch.bfloat16, seed: int = 0,
-                  compiled: bool = False) -> CapturingTarget:
+                  attn_implementation: str | None = None, compiled: bool = False) -> CapturingTarget:
     """The target's exact shapes with random weights, built on `device` without reading a checkpoint:
     for benchmarks, whose speed does not depend on weight values."""
     from transformers import AutoModelForCausalLM
@@ -212,7 +217,8 @@ def random_target(config, *, layer_ids, device="cpu", dtype=torch.bfloat16, seed
     layer_ids = _check_layer_ids(layer_ids, num_layers_of(config))
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(truncated_config(config, max(layer_ids) + 1), dtype=dtype)
+        extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        model = AutoModelForCausalLM.from_config(truncated_config(config, max(layer_ids) + 1), dtype=dtype, **extra)
     return _capturing(model, config, layer_ids, device, source=f"random {config.model_type}", compiled=compiled)
 
 

@@ -41,6 +41,7 @@ class TargetPlan:
     parallel: str                # replicate | tensor
     tp_size: int
     random_weights: bool
+    attention: str | None        # transformers attn_implementation (None: its default)
 
     @property
     def feature_width(self) -> int:
@@ -190,6 +191,14 @@ def packing(cfg: DictConfig, hf_config) -> bool:
     return wanted
 
 
+def target_attention(packed: bool, device: torch.device, hf_config) -> str | None:
+    """Packed rows on GPU, in a family with plain causal attention: flash attention's variable-length
+    kernel per document (dflash_core.packing.varlen_attention) rather than a dense block-diagonal
+    mask, which computes every document pair and misses the causal kernels."""
+    from dflash_core.families import VARLEN, family_of
+    return VARLEN if packed and device.type == "cuda" and family_of(hf_config).varlen else None
+
+
 def schedule(cfg: DictConfig, topology: Topology) -> Schedule:
     evaluates = cfg.data.eval_fraction > 0 and cfg.train.eval_batches > 0
     return Schedule(steps=cfg.train.steps, num_units=topology.num_units, num_drafters=topology.num_drafters,
@@ -219,9 +228,10 @@ def resolve(cfg: DictConfig, topology: Topology, device: torch.device) -> Job:
                         gamma=d.gamma if d.gamma is not None else default_gamma(d.block_size), alpha=d.dpace_alpha,
                         backend=backend, chunk_blocks=d.chunk_blocks, feature_noise_std=d.feature_noise_std,
                         compiled=plan.compiled)
+    packed = packing(cfg, hf_config)
     target = TargetPlan(path=path, hf_config=hf_config, layer_ids=dcfg.target_layer_ids,
                         dtype=compute_dtype(cfg.target.dtype, device), parallel=cfg.target.parallel,
-                        tp_size=cfg.target.tp_size, random_weights=cfg.target.random_weights)
+                        tp_size=cfg.target.tp_size, random_weights=cfg.target.random_weights,
+                        attention=target_attention(packed, device, hf_config))
     return Job(cfg=cfg, topology=topology, device=device, target=target, drafter=dcfg, step=step,
-               compile=plan, schedule=schedule(cfg, topology), tokenizer_dir=tokenizer_dir(cfg),
-               packing=packing(cfg, hf_config))
+               compile=plan, schedule=schedule(cfg, topology), tokenizer_dir=tokenizer_dir(cfg), packing=packed)

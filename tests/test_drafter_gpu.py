@@ -73,3 +73,20 @@ def test_training_compiles_once_per_shape():
         if step == 0:
             after_first = compile_count()
     assert after_first > 0 and compile_count() == after_first
+
+
+def test_varlen_target_attention_matches_the_masked_target():
+    """Packed rows: flash attention's variable-length kernel per document equals sdpa with the
+    block-diagonal mask (bf16), at a Qwen3-like shape."""
+    from transformers import Qwen3Config
+
+    from dflash_core.packing import VARLEN
+    from dflash_core.target import random_target
+    config = Qwen3Config(hidden_size=1024, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
+                         head_dim=64, intermediate_size=2816, vocab_size=32000)
+    ids = torch.randint(0, 32000, (2, 1024), generator=torch.Generator().manual_seed(0)).cuda()
+    positions = torch.cat([torch.arange(n) for n in (300, 500, 224)]).expand(2, -1).cuda()
+    varlen, masked = (random_target(config, layer_ids=[1, 2], device="cuda", dtype=torch.bfloat16, seed=0,
+                                    attn_implementation=attention) for attention in (VARLEN, None))
+    got, want = varlen.capture(ids, position_ids=positions), masked.capture(ids, position_ids=positions)
+    assert _relative_error(got, want) < FORWARD_TOLERANCE

@@ -121,3 +121,22 @@ def test_compiled_capture_equals_eager_unpacked_and_packed(tiny_target_dir, inpu
         got = compiled.capture(input_ids, position_ids=positions)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert 1 <= compile_count("target_layer") - before <= 2   # unpacked (no mask) and packed (a mask) inputs
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_varlen_attention_captures_each_document_as_if_alone(tiny_target_dir, input_ids, compiled):
+    """Packed rows through dflash_core.packing.varlen_attention (flash's variable-length kernel on
+    GPU, its per-document reference here): each document equals its own unpacked capture."""
+    from dflash_core.packing import VARLEN
+    varlen = load_target(tiny_target_dir, layer_ids=[0, 3], device="cpu", dtype=torch.float32,
+                         attn_implementation=VARLEN, compiled=compiled)
+    plain = load_target(tiny_target_dir, layer_ids=[0, 3], device="cpu", dtype=torch.float32)
+    lengths = (20, 28)
+    positions = torch.cat([torch.arange(n) for n in lengths]).expand(2, -1)
+    packed = varlen.capture(input_ids, position_ids=positions)
+    start = 0
+    for n in lengths:
+        alone = plain.capture(input_ids[:, start:start + n])
+        torch.testing.assert_close(packed[:, start:start + n], alone, rtol=1e-5, atol=1e-5)
+        start += n
+    torch.testing.assert_close(varlen.capture(input_ids), plain.capture(input_ids), rtol=1e-5, atol=1e-5)

@@ -269,7 +269,8 @@ def run(args) -> dict:
         rows, 2, 7, "target alone",
         lambda workloads: target_stage(hf_config, dcfg.target_layer_ids, device, job.target.dtype, workloads,
                                        warmup=args.warmup, reps=args.steps, ceiling=ceiling,
-                                       compiled=job.compile.target_compiled, full_forward=not args.skip_full_forward),
+                                       compiled=job.compile.target_compiled, attention=job.target.attention,
+                                       full_forward=not args.skip_full_forward),
         full, mixes, "skipped (--skip-target)" if args.skip_target else None)
     _free(device)
     drafter_rows = _stage_rows(

@@ -95,20 +95,23 @@ def _throughput(stage: str, workload: Workload, timed: list[tuple], flops: list[
 
 # ------------------------------------------------------------------------------ row 2: target
 def target_stage(hf_config, layer_ids, device, dtype, workloads: list[Workload], *, warmup: int, reps: int,
-                 ceiling: float | None, compiled: bool = False, full_forward: bool = True,
-                 clock=time.perf_counter) -> list[dict]:
+                 ceiling: float | None, compiled: bool = False, attention: str | None = None,
+                 full_forward: bool = True, clock=time.perf_counter) -> list[dict]:
     """The frozen target's capture() on one device as the launcher runs it (`compiled`: its layers
-    through torch.compile, job.compile.target_compiled), one row per workload: real (non-padding)
+    through torch.compile, job.compile.target_compiled; `attention`: job.target.attention, the
+    variable-length kernel for packed rows on GPU), one row per workload: real (non-padding)
     tokens/s, the padding share it forwarded, compiles, and where the family runs slow fallbacks
     (families.kernel_notes, printed and kept in the row)."""
     from dflash_core.families import kernel_notes
     from dflash_core.target import random_target
 
     t0 = time.perf_counter()
-    target = random_target(hf_config, layer_ids=layer_ids, device=device, dtype=dtype, seed=0, compiled=compiled)
+    target = random_target(hf_config, layer_ids=layer_ids, device=device, dtype=dtype, seed=0, compiled=compiled,
+                           attn_implementation=attention)
     notes = kernel_notes(target.decoder.config)
     progress(f"target built in {time.perf_counter() - t0:.1f}s ({target.num_kept_layers} layers kept, captures "
-             f"{layer_ids}, {'compiled' if compiled else 'eager'})" + "".join(f"\n  kernel note: {n}" for n in notes))
+             f"{layer_ids}, {'compiled' if compiled else 'eager'}, attention {attention or 'default'})"
+             + "".join(f"\n  kernel note: {n}" for n in notes))
     rows = [_target_row(target, hf_config, workload, device, warmup=warmup, reps=reps, ceiling=ceiling,
                         notes=notes, clock=clock) for workload in workloads]
     del target

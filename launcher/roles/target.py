@@ -57,10 +57,10 @@ def load_capturing_target(ctx: Context) -> CapturingTarget:
     load_device = "cpu" if plan.parallel == "tensor" else ctx.device
     if plan.random_weights:
         target = random_target(plan.hf_config, layer_ids=plan.layer_ids, device=load_device, dtype=plan.dtype,
-                               seed=ctx.cfg.run.seed, compiled=compiled)
+                               seed=ctx.cfg.run.seed, attn_implementation=plan.attention, compiled=compiled)
     else:
         target = load_target(plan.path, layer_ids=plan.layer_ids, device=load_device, dtype=plan.dtype,
-                             compiled=compiled)
+                             attn_implementation=plan.attention, compiled=compiled)
     if plan.parallel == "tensor":
         from launcher.distributed.tensor_parallel import shard_target
         shard_target(target, ctx.groups.unit, ctx.device)
