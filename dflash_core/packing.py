@@ -123,6 +123,26 @@ class RecurrentRegrouping:
 
 
 # ----------------------------------------------------------------------------------- varlen attention
+class _AttentionDocuments:
+    """The documents of the rows being captured, for varlen_attention. Set around the decoder call by
+    `attention_documents` rather than passed through the layers' kwargs: compiled target layers would
+    take them as graph inputs, whose length (the number of documents) changes every batch. `packed`
+    is read inside compiled layers (a guard: one graph per value), `cu` only outside them."""
+    packed = False
+    cu: torch.Tensor | None = None
+
+
+_DOCUMENTS = _AttentionDocuments()
+
+
+@contextlib.contextmanager
+def attention_documents(documents: Documents | None):
+    packed = documents is not None and not documents.one_per_row
+    _DOCUMENTS.packed, _DOCUMENTS.cu = packed, cu_seqlens(documents) if packed else None
+    try:
+        yield
+    finally:
+        _DOCUMENTS.packed, _DOCUMENTS.cu = False, None
 
 
 def cu_seqlens(documents: Documents) -> torch.Tensor:
@@ -132,10 +152,11 @@ def cu_seqlens(documents: Documents) -> torch.Tensor:
 
 
 @torch.compiler.disable   # the number of documents is data: outside any compiled graph
-def _causal_per_document(q, k, v, cu: torch.Tensor, max_length: int, scale: float | None):
-    """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D], causal inside each document [cu[i], cu[i+1])."""
+def _causal_per_document(q, k, v, length: int, scale: float | None):
+    """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D], causal inside each document of the packed rows."""
+    cu = _DOCUMENTS.cu
     if q.is_cuda:   # flash attention's variable-length kernel: no [S, S] mask, no work across documents
-        return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_length, max_length, 0.0, True, False,
+        return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, length, length, 0.0, True, False,
                                                        scale=scale)[0]
     out = torch.empty_like(q)   # the reference (CPU): one causal sdpa call per document
     bounds = cu.tolist()
@@ -149,16 +170,15 @@ def _causal_per_document(q, k, v, cu: torch.Tensor, max_length: int, scale: floa
 
 def varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """A transformers attention implementation for packed rows: causal attention inside each
-    document, from `cu_seq_lens_q` (the document starts over the flattened rows; absent: one
-    document per row). Dense attention with a block-diagonal [S, S] mask computes every document
-    pair and misses the causal kernels; this runs only the real work."""
+    document (see attention_documents). Dense attention with a block-diagonal [S, S] mask computes
+    every document pair and misses the causal kernels; this runs only the real work. Rows of one
+    document each take transformers' sdpa path (causal kernels, no graph break)."""
+    if not _DOCUMENTS.packed:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
     batch, heads, length, dim = query.shape
-    cu = kwargs.get("cu_seq_lens_q")
-    if cu is None:
-        cu = torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=query.device)
     flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value)]
-    out = _causal_per_document(*flat, cu, length, scaling)
-    return out.view(batch, length, heads, dim), None
+    return _causal_per_document(*flat, length, scaling).view(batch, length, heads, dim), None
 
 
 def _register_varlen() -> None:

@@ -30,7 +30,7 @@ from .families import (
     text_config,
     truncated_config,
 )
-from .packing import Documents, RecurrentRegrouping, block_diagonal_masks, cu_seqlens
+from .packing import Documents, RecurrentRegrouping, attention_documents, block_diagonal_masks
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
 __all__ = ["CapturingTarget", "TargetError", "load_target", "random_target"]
@@ -144,19 +144,17 @@ class CapturingTarget:
         exactly as if it were forwarded alone (see dflash_core.packing).
         """
         documents = self._documents(input_ids, position_ids) if position_ids is not None else None
-        masks, varlen = None, {}
-        if documents is not None and self.decoder.config._attn_implementation == VARLEN:
-            length = input_ids.shape[1]
-            cu = cu_seqlens(documents)
-            varlen = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": length, "max_length_k": length}
-        elif documents is not None and not (self.family.mask_from_positions or documents.one_per_row):
+        masks = None
+        varlen = self.decoder.config._attn_implementation == VARLEN
+        if documents is not None and not (varlen or self.family.mask_from_positions or documents.one_per_row):
             masks = block_diagonal_masks(documents, self.decoder.config.layer_types,
                                          getattr(self.decoder.config, "sliding_window", None), self.dtype, self.device)
         try:
-            with torch.inference_mode(), self._regrouping.packed(documents):
+            with torch.inference_mode(), self._regrouping.packed(documents), \
+                    attention_documents(documents if varlen else None):
                 output = self.decoder(input_ids=input_ids.to(self.device), attention_mask=masks,
                                       position_ids=None if documents is None else position_ids.to(self.device),
-                                      use_cache=False, **varlen)
+                                      use_cache=False)
             if self._final_layer_id in self._captured:  # HF reports the last layer after the norm
                 self._captured[self._final_layer_id] = output.last_hidden_state
             # Concatenated outside inference mode, so the result is an ordinary tensor that the
