@@ -15,6 +15,9 @@ from omegaconf import MISSING
 AUTO_BOOL = ("auto", True, False)
 DEVICES = ("auto", "cpu", "cuda")
 BAD_LINE = ("fail", "skip")
+# What a rank does before the stream starts, as it reports it to its peers (launcher/distributed/heartbeat.py).
+STARTUP_STAGES = ("starting", "preparing_target", "resolving", "tokenising", "loading_target", "building_drafter",
+                  "restoring_checkpoint", "compiling", "streaming")
 
 
 def knob(default, doc: str, *, ge=None, gt=None, le=None, lt=None, choices=None, each=None):
@@ -158,7 +161,10 @@ class MetricsSettings:
 class FaultSettings:
     rank: Optional[int] = knob(None, "test only: the rank that dies", ge=0)
     step: Optional[int] = knob(None, "test only: the optimiser step it dies at", ge=0)
-    kind: str = knob("kill", "kill (SIGKILL) | raise", choices=("kill", "raise"))
+    stage: Optional[str] = knob(None, "test only: the start-up stage it fails on entering (instead of a step)",
+                                choices=STARTUP_STAGES)
+    kind: str = knob("kill", "kill (SIGKILL) | raise | stop (SIGSTOP: alive but silent)",
+                     choices=("kill", "raise", "stop"))
     once: bool = knob(True, "only on torchrun's first attempt, so --max-restarts recovers")
 
 
