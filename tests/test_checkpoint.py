@@ -95,6 +95,6 @@ def test_disk_full_leaves_no_temporary_dir_and_keeps_the_previous_checkpoint(tmp
         checkpoint.save(tmp_path, 20, _state(20), keep=2)
     message = str(failure.value)
     assert str(tmp_path / "step_00000020") in message and "No space left on device (ENOSPC)" in message
-    assert "`latest` still names step_00000010" in message
+    assert "latest still names step_00000010" in message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "lineage.json", "step_00000010"]
     assert checkpoint.load_latest(tmp_path)[1] == 10

@@ -7,7 +7,7 @@ from launcher.distributed.schedule import TRAIN
 from launcher.distributed.topology import Topology
 from launcher.resolve import resolve
 from launcher.run_io import checkpoint, resume
-from launcher.run_io.resume import ResumeError
+from launcher.run_io.resume import Launch, ResumeError
 
 
 @pytest.fixture
@@ -79,6 +79,16 @@ def test_resume_never_over_existing_checkpoints_is_refused(make_job, tmp_path):
                                           r"start fresh pick another run.dir, or move or delete .*checkpoints"):
         resume.choose(make_job("run.resume=never"), tmp_path)
     assert resume.choose(make_job("run.resume=never"), tmp_path / "fresh").step == 0
+
+
+def test_resume_never_restarted_by_torchrun_continues_its_own_checkpoints(make_job, tmp_path):
+    job = make_job("run.resume=never")
+    assert resume.choose(job, tmp_path, Launch("job-1", 0)).step == 0
+    _trained(job, tmp_path, 20)
+    # --max-restarts relaunches the same command: the restart continues what its first attempt saved.
+    assert resume.choose(job, tmp_path, Launch("job-1", 1)).step == 20
+    with pytest.raises(ResumeError, match="run.resume=never"):   # another job with the same command
+        resume.choose(job, tmp_path, Launch("job-2", 0))
 
 
 def test_explicit_resume_starts_a_lineage_and_its_restart_continues_it(make_job, tmp_path):

@@ -6,6 +6,7 @@ Messages between one pair of ranks arrive in order, so no tags are needed.
 """
 from __future__ import annotations
 
+import re
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ def _wait_all(works, comm_device: torch.device, what: str) -> None:
         for work in works:
             work.wait()
     except RuntimeError as exc:
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+        reason = re.sub(r"^\[[^\]]*\]\s*", "", (str(exc).strip().splitlines() or [type(exc).__name__])[-1])
         raise ChannelError(f"{what} failed (a timeout means no answer within run.timeout_s; see that rank's "
                            f"log): {reason}") from exc
     if comm_device.type == "cuda":

@@ -22,7 +22,7 @@ from launcher.resolve import Job, ensure_embedded_target, resolve, resolve_devic
 from launcher.roles.fault import maybe_fail_at_stage
 from launcher.run_io.lock import RunLock
 from launcher.run_io.provenance import provenance, this_rank, write_provenance
-from launcher.run_io.resume import ResumeError, choose
+from launcher.run_io.resume import Launch, ResumeError, choose
 from launcher.run_io.rundir import default_run_dir, prepare_run_dir, setup_logging
 
 log = logging.getLogger("dflash")
@@ -78,13 +78,13 @@ def _check_same_config(cfg: DictConfig, control) -> None:
                            f"(hashes {hashes}): launch every rank with the same overrides and conf/")
 
 
-def _resume_point(job: Job, rank: int, lead: int, run_dir: Path, control) -> tuple[int, Path | None]:
+def _resume_point(job: Job, env: ProcessEnv, lead: int, run_dir: Path, control) -> tuple[int, Path | None]:
     """The lead drafter picks the checkpoint to resume from (launcher/run_io/resume.py); every rank starts
     its stream at its step, or, when the checkpoint already reached train.steps, every rank exits 0."""
     box: list = [None, None]
-    if rank == lead:
+    if env.rank == lead:
         try:
-            box[0] = choose(job, run_dir)
+            box[0] = choose(job, run_dir, Launch(os.environ.get("TORCHELASTIC_RUN_ID", ""), env.restart))
         except ResumeError as exc:
             box[1] = str(exc)
         except (OSError, ValueError, RuntimeError) as exc:
@@ -94,7 +94,7 @@ def _resume_point(job: Job, rank: int, lead: int, run_dir: Path, control) -> tup
         raise ResumeError(box[1])
     point = box[0]
     if point.finished:
-        log.log(logging.WARNING if rank == lead else logging.INFO, "%s", point.finished)
+        log.log(logging.WARNING if env.rank == lead else logging.INFO, "%s", point.finished)
         dist.destroy_process_group()
         raise SystemExit(0)
     return point.step, (Path(point.path) if point.path else None)
@@ -128,9 +128,6 @@ def start_process(cfg: DictConfig, overrides: list[str], topo: Topology, env: Pr
     layout = [None] * env.world
     dist.all_gather_object(layout, this_rank(env.rank, role, device), group=groups.control)
     record = provenance(overrides, layout)
-    if env.rank == 0:
-        (run_dir / "config.yaml").write_text(config_yaml(cfg))
-        write_provenance(run_dir, record)
     iso = isolate(role, env.rank, env.local_world, Path(cfg.isolation.cache_root or run_dir / "compile_cache"),
                   device, cfg.isolation.recompile_limit, cfg.isolation.compile_threads)
     log.info("pid %d role %s rank %d/%d device %s backend %s threads %d compile cache %s", iso.pid, role, env.rank,
@@ -142,7 +139,10 @@ def start_process(cfg: DictConfig, overrides: list[str], topo: Topology, env: Pr
     progress.meet("target_ready")
     progress.stage("resolving")
     job = resolve(cfg, topo, device)
-    start_step, resume_from = _resume_point(job, env.rank, topo.lead_drafter, run_dir, groups.control)
+    start_step, resume_from = _resume_point(job, env, topo.lead_drafter, run_dir, groups.control)
+    if env.rank == 0:   # only once the run may go on: a refused resume leaves the run's own record as it was
+        (run_dir / "config.yaml").write_text(config_yaml(cfg))
+        write_provenance(run_dir, record)
     if resume_from:
         log.warning("resuming at step %d from %s", start_step, resume_from)
     return Context(job, env.rank, groups, device if backend == "nccl" else torch.device("cpu"), run_dir,

@@ -88,13 +88,14 @@ def read_lineage(root: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def start_lineage(root: Path, parent: str | None = None) -> str:
-    """A new lineage in `root`: a fresh run, or one continuing the checkpoint `parent` of another dir."""
+def start_lineage(root: Path, parent: str | None = None, **about) -> str:
+    """A new lineage in `root`: a fresh run, or one continuing the checkpoint `parent` of another dir;
+    `about` (e.g. which job started it) is recorded with it."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     lineage = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
-    _replace_atomically(root / LINEAGE_FILE, json.dumps({"id": lineage, "parent": parent,
-                                                         "started": time.time()}).encode())
+    _replace_atomically(root / LINEAGE_FILE, json.dumps({"id": lineage, "parent": parent, "started": time.time(),
+                                                         **about}).encode())
     return lineage
 
 
@@ -178,7 +179,7 @@ def save(root: Path, step: int, state: dict, keep: int, record: dict | None = No
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         previous = pointed(root)
-        kept = f"`latest` still names {previous.name}" if previous else "there is no earlier checkpoint"
+        kept = f"latest still names {previous.name}" if previous else "there is no earlier checkpoint"
         raise CheckpointWriteError(f"could not write checkpoint {final}: {_why(exc)}; {kept} and no temporary "
                                    f"files were left (free space there: "
                                    f"{shutil.disk_usage(root).free / 2**30:.1f} GiB)") from exc

@@ -33,6 +33,21 @@ class ResumeError(ValueError):
 
 
 @dataclass(frozen=True)
+class Launch:
+    """Which torchrun job and attempt this is (TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT)."""
+    job: str = ""
+    attempt: int = 0
+
+    def restarts(self, lineage: dict | None) -> bool:
+        """This is a later attempt (--max-restarts) of the torchrun job that started `lineage`."""
+        return (bool(self.job) and lineage is not None and lineage.get("job") == self.job
+                and self.attempt > lineage.get("attempt", 0))
+
+    def start_lineage(self, root: Path, parent: str | None = None) -> None:
+        checkpoint.start_lineage(root, parent, job=self.job, attempt=self.attempt)
+
+
+@dataclass(frozen=True)
 class ResumePoint:
     step: int = 0                  # first optimiser step this run executes
     path: str | None = None        # checkpoint it restores
@@ -104,7 +119,7 @@ def check(meta: dict, job: Job, path: Path) -> None:
         log.warning("resuming from %s with changed settings: %s", path, "; ".join(others))
 
 
-def _explicit(setting: str, run_dir: Path) -> tuple[Path, int]:
+def _explicit(setting: str, run_dir: Path, launch: Launch) -> tuple[Path, int]:
     """run.resume=<checkpoint>: into a run dir with no checkpoints of another history. A restart of the
     job that started from it (its lineage's parent) continues that job's own latest checkpoint."""
     root, source = run_dir / "checkpoints", Path(setting).resolve()
@@ -124,23 +139,27 @@ def _explicit(setting: str, run_dir: Path) -> tuple[Path, int]:
                           f"training history (latest {latest.name if latest else 'unknown'}), which later saves "
                           f"would mix with: resume into another run.dir, or move or delete {root}")
     step = checkpoint.load(source)[0]
-    checkpoint.start_lineage(root, parent=str(source))
+    launch.start_lineage(root, parent=str(source))
     return source, step
 
 
-def choose(job: Job, run_dir: Path) -> ResumePoint:
+def choose(job: Job, run_dir: Path, launch: Launch = Launch()) -> ResumePoint:
     """The lead drafter's decision (the other ranks receive it): start fresh, continue this run dir's
     latest checkpoint, or continue run.resume's checkpoint; refused with a clear error when that
     would mix training histories or change what the checkpoint was trained with."""
     setting, root = job.cfg.run.resume, run_dir / "checkpoints"
     if setting == "never":
         existing = checkpoint.complete(root)
-        if existing:
+        if not existing:
+            launch.start_lineage(root)
+            return ResumePoint()
+        if not launch.restarts(checkpoint.read_lineage(root)):
             raise ResumeError(f"run.resume=never: run.dir={str(run_dir)!r} already holds checkpoints "
                               f"({', '.join(p.name for p in existing)}); to start fresh pick another run.dir, or "
                               f"move or delete {root}; run.resume=auto continues them")
-        checkpoint.start_lineage(root)
-        return ResumePoint()
+        log.warning("run.resume=never: attempt %d of torchrun job %s continues the checkpoints its first attempt "
+                    "started", launch.attempt, launch.job)
+        setting = "auto"
     if setting == "auto":
         found = checkpoint.load_latest(root)
         if found is None:
@@ -148,11 +167,11 @@ def choose(job: Job, run_dir: Path) -> ResumePoint:
                 raise ResumeError(f"run.dir={str(run_dir)!r} holds checkpoints but none of them loads (see the "
                                   f"warnings above): run.resume=<a good checkpoint>, or move or delete {root}")
             if checkpoint.read_lineage(root) is None:
-                checkpoint.start_lineage(root)
+                launch.start_lineage(root)
             return ResumePoint()
         path, step = found[0], found[1]
     else:
-        path, step = _explicit(setting, run_dir)
+        path, step = _explicit(setting, run_dir, launch)
     check(checkpoint.read_meta(path), job, path)
     finished = None
     if step >= job.cfg.train.steps:
