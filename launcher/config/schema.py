@@ -58,7 +58,8 @@ class DrafterSettings:
     num_anchors: int = knob(512, "blocks per row (padded with invalid blocks: one static shape)", ge=1)
     target_layer_ids: Optional[list] = knob(None, "target layers whose outputs feed the drafter (HF numbering); "
                                                   "null: spread evenly (dflash_spec)")
-    mask_token_id: Any = knob("auto", "token id of the masked slots; auto: first unused embedding row of the target")
+    mask_token_id: Any = knob("auto", "token id of the masked slots; auto: first unused embedding row of the target",
+                              choices=("auto",), ge=0)
     backend: str = knob("auto", "attention backend: auto (flex on GPU, sdpa on CPU) | flex | sdpa",
                         choices=("auto", "flex", "sdpa"))
     compile: Any = knob("auto", "torch.compile the layers and head loss: auto (flex at data.fixed_length)",
@@ -146,7 +147,8 @@ class ChannelSettings:
 class IsolationSettings:
     cache_root: Optional[str] = knob(None, "per-rank compile caches under <cache_root or run.dir/compile_cache>")
     recompile_limit: int = knob(8, "dynamo recompiles allowed per function", ge=1)
-    compile_threads: Any = knob("auto", "inductor compile workers per rank: auto (cores / local ranks) or a number")
+    compile_threads: Any = knob("auto", "inductor compile workers per rank: auto (cores / local ranks) or a number",
+                                choices=("auto",), ge=1)
 
 
 @dataclass
