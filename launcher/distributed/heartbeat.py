@@ -82,10 +82,10 @@ class StartupProgress:
             self._on_stage(name)
 
     def _publish(self) -> None:
-        self._beat += 1
-        record = {"beat": self._beat, "stage": self._stage, "stage_s": time.monotonic() - self._stage_t0,
-                  "host": socket.gethostname(), "pid": os.getpid()}
         with self._lock:
+            self._beat += 1
+            record = {"beat": self._beat, "stage": self._stage, "stage_s": time.monotonic() - self._stage_t0,
+                      "host": socket.gethostname(), "pid": os.getpid()}
             self._store.set(f"beat/{self.rank}", json.dumps(record))
 
     def _beat_loop(self) -> None:
