@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from launcher.distributed.heartbeat import StartupProgress
 from launcher.distributed.isolation import Isolation
 from launcher.distributed.topology import Groups
 from launcher.resolve import Job
@@ -23,6 +24,7 @@ class Context:
     resume_from: Path | None    # checkpoint it restores, if any
     isolation: Isolation
     provenance: dict            # command, code and library versions, hosts, rank layout
+    progress: StartupProgress   # start-up stages reported to the peers, and meeting points that name a stalled one
 
     @property
     def cfg(self):

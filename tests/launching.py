@@ -1,21 +1,56 @@
 """Helpers for tests that launch real torchrun jobs on CPU."""
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def _command(nproc: int, args, module: str | None, torchrun_args) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            *torchrun_args, *(["-m", module] if module else []), *args]
+
+
+def _env(env) -> dict:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), **(env or {})}
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 300, env=None, module: str | None = "launcher.train",
              torchrun_args=()) -> subprocess.CompletedProcess:
     """The one way tests launch real torchrun jobs: `module` with `args` (overrides), or with
     module=None a script path and its arguments; one OpenMP thread per process (2 shared cores)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           *torchrun_args, *(["-m", module] if module else []), *args]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), **(env or {})}
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env, check=False)
+    return subprocess.run(_command(nproc, args, module, torchrun_args), cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=_env(env), check=False)
+
+
+def start_torchrun(nproc: int, *overrides: str, log_path: Path, module: str = "launcher.train") -> subprocess.Popen:
+    """A torchrun job in the background (its own session), its output going to `log_path`; the
+    Popen's pid is the torchrun agent's."""
+    with open(log_path, "w") as out:
+        return subprocess.Popen(_command(nproc, overrides, module, ()), cwd=REPO, stdout=out,
+                                stderr=subprocess.STDOUT, env=_env(None), start_new_session=True)
+
+
+def worker_pids(run_dir: Path) -> dict[str, int]:
+    """{role+rank: pid} from each rank's log ('pid N role R rank K/W ...')."""
+    pids = {}
+    for log in (run_dir / "logs").glob("*.log"):
+        match = re.search(r" pid (\d+) role ", log.read_text())
+        if match:
+            pids[log.stem] = int(match[1])
+    return pids
+
+
+def wait_for(condition, timeout: float, what: str, poll: float = 0.2) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(poll)
 
 
 def seq_lines(run_dir: Path, verb: str) -> list[dict]:

@@ -95,7 +95,14 @@ def test_fixed_length_shorter_than_a_sample(tmp_path, tiny_target_dir):
                                           ("drafter.loss=focal", "drafter.loss"),
                                           ("train.steps=0", "train.steps"),
                                           ("data.on_bad_line=ignore", "data.on_bad_line"),
-                                          ("drafter.compile=yes", "drafter.compile")])
+                                          ("drafter.compile=yes", "drafter.compile"),
+                                          # issue 17: these used to train backwards, diverge or crash later
+                                          ("optim.lr=1e4", "optim.lr"),
+                                          ("optim.grad_clip=-1", "optim.grad_clip"),
+                                          ("optim.min_lr_ratio=-3", "optim.min_lr_ratio"),
+                                          ("run.log_every=0", "run.log_every"),
+                                          ("drafter.mask_token_id=abc", "drafter.mask_token_id"),
+                                          ("isolation.compile_threads=-2", "isolation.compile_threads")])
 def test_invalid_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=rf"^{key}="):
         compose_config([override])

@@ -1,7 +1,9 @@
 """The hidden-state channel between two real gloo processes: payloads arrive intact and in order,
-and a protocol slip (wrong item, early end of stream) is a clear ChannelError, not a hang."""
+and a protocol slip (wrong item, early end of stream) or a silent peer is a clear ChannelError
+naming the peer rank and the item, not a hang."""
 import os
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -25,17 +27,19 @@ def _payload(index: int):
 
 
 def _worker(rank: int, store_dir: str, scenario: str) -> None:
+    # A silent target is waited for only the process-group timeout (run.timeout_s in a job).
+    timeout = timedelta(seconds=2 if scenario == "silent" else 120)
     dist.init_process_group("gloo", store=dist.FileStore(os.path.join(store_dir, "store"), 2), rank=rank,
-                            world_size=2)
+                            world_size=2, timeout=timeout)
     items = list(SCHEDULE.items())
     if rank == 0:
         sender = Sender(torch.device("cpu"), max_in_flight=1)
-        order = {"ok": items, "wrong_order": items[1:2], "early_eos": items[:1]}[scenario]
+        order = {"ok": items, "wrong_order": items[1:2], "early_eos": items[:1], "silent": items[:1]}[scenario]
         for item in order:
             ids, mask, positions, hidden = _payload(item.index)
             sender.announce(1, item, ids, hidden.shape[-1], hidden.dtype, num_tokens=int(mask.sum()))
             sender.send(1, item, ids, mask, positions, hidden)
-        if scenario != "wrong_order":
+        if scenario not in ("wrong_order", "silent"):
             sender.close([1])
         # Stay up until the receiver has its verdict: exiting would reset the connection under it.
         peer_result = os.path.join(store_dir, "rank1.txt")
@@ -66,6 +70,8 @@ def _worker(rank: int, store_dir: str, scenario: str) -> None:
     ("ok", "ok [0, 1, 2]"),
     ("wrong_order", "ChannelError rank 0 sent item seq=1"),
     ("early_eos", "ChannelError target rank 0 ended its stream before item seq=1"),
+    ("silent", "ChannelError receiving the header of item seq=1 (step 1) from target rank 0 failed (a timeout means "
+               "no answer within run.timeout_s"),
 ])
 def test_channel_between_two_processes(tmp_path, scenario, expected):
     mp.spawn(_worker, args=(str(tmp_path), scenario), nprocs=2, join=True)

@@ -1,5 +1,7 @@
+import errno
 import os
 
+import pytest
 import torch
 
 from launcher.run_io import checkpoint
@@ -40,3 +42,59 @@ def test_corrupt_checkpoint_is_skipped_with_warning(tmp_path, caplog):
 
 def test_no_checkpoint(tmp_path):
     assert checkpoint.load_latest(tmp_path / "missing") is None
+
+
+def test_latest_and_pruning_follow_this_lineage_not_the_name_order(tmp_path):
+    # The scenario: an older run left step_00000080 and step_00000100; a new training history
+    # in the same dir then saves step_00000010. A name sort used to prune the new run's checkpoint at
+    # once, leave `latest` dangling, and "resume" the old run's step 100 (training 0 steps).
+    for step in (80, 100):
+        checkpoint.save(tmp_path, step, _state(step), keep=2)
+    old_lineage = checkpoint.read_lineage(tmp_path)["id"]
+    new_lineage = checkpoint.start_lineage(tmp_path)
+    checkpoint.save(tmp_path, 10, _state(10), keep=2)
+    assert (tmp_path / "latest").read_text() == "step_00000010" and (tmp_path / "step_00000010").is_dir()
+    path, step, _ = checkpoint.load_latest(tmp_path)
+    assert (path.name, step) == ("step_00000010", 10)
+    for step in (20, 30):
+        checkpoint.save(tmp_path, step, _state(step), keep=2)
+    # Only this lineage's oldest went; the other history's checkpoints are not this run's to prune.
+    assert [p.name for p in checkpoint.complete(tmp_path)] == ["step_00000020", "step_00000030", "step_00000080",
+                                                               "step_00000100"]
+    assert checkpoint.read_meta(tmp_path / "step_00000030")["lineage"] == new_lineage != old_lineage
+    assert checkpoint.load_latest(tmp_path)[1] == 30
+
+
+def test_latest_is_never_pruned_and_a_missing_one_falls_back(tmp_path):
+    for step in (1, 2, 3):
+        checkpoint.save(tmp_path, step, _state(step), keep=1)
+    assert [p.name for p in checkpoint.complete(tmp_path)] == ["step_00000003"]
+    checkpoint.save(tmp_path, 4, _state(4), keep=2)
+    # Someone deletes the checkpoint `latest` names: the previous one of the lineage is used, no dangling read.
+    (tmp_path / "step_00000004" / "meta.json").unlink()
+    assert checkpoint.pointed(tmp_path) is None
+    assert checkpoint.load_latest(tmp_path)[1] == 3
+
+
+def test_a_checkpoint_of_another_lineage_is_never_overwritten(tmp_path):
+    checkpoint.save(tmp_path, 5, _state(5), keep=2)
+    checkpoint.start_lineage(tmp_path)
+    with pytest.raises(checkpoint.CheckpointWriteError, match=r"step_00000005 belongs to another run"):
+        checkpoint.save(tmp_path, 5, _state(5), keep=2)
+    assert checkpoint.load(tmp_path / "step_00000005")[0] == 5
+
+
+def test_disk_full_leaves_no_temporary_dir_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    checkpoint.save(tmp_path, 10, _state(10), keep=2)
+
+    def full_disk(state, f):
+        f.write(b"PK\x03\x04 the first bytes")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(checkpoint.CheckpointWriteError) as failure:
+        checkpoint.save(tmp_path, 20, _state(20), keep=2)
+    message = str(failure.value)
+    assert str(tmp_path / "step_00000020") in message and "No space left on device (ENOSPC)" in message
+    assert "latest still names step_00000010" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "lineage.json", "step_00000010"]
+    assert checkpoint.load_latest(tmp_path)[1] == 10

@@ -1,10 +1,16 @@
-"""Crash safety on CPU: exact resume, torchrun restarts after a SIGKILL, fast failure propagation."""
+"""Crash safety on CPU: exact resume, torchrun restarts after a SIGKILL, fast failure propagation, one
+job per run dir, no orphans, checked resumes and start-up waits that name a stopped rank."""
+import json
+import os
+import re
+import signal
 import time
 
 import pytest
 import torch
 
-from tests.launching import seq_lines, tiny_overrides, torchrun
+from launcher.run_io import lock
+from tests.launching import seq_lines, start_torchrun, tiny_overrides, torchrun, wait_for, worker_pids
 
 pytestmark = pytest.mark.multiproc
 STEPS = 6
@@ -44,7 +50,8 @@ def test_sigkilled_drafter_recovers_under_max_restarts(tmp_path, tiny_target_dir
     assert (run_dir / "checkpoints" / "step_00000008").is_dir()
     # The restarted attempt resumed from the step-4 checkpoint and trained every later item exactly once.
     retrained = sorted(line["seq"] for line in seq_lines(run_dir, "trained") if line["attempt"] == 1)
-    sent_after = sorted(line["seq"] for line in seq_lines(run_dir, "sent") if line["attempt"] == 1 and line["kind"] == 0)
+    sent_after = sorted(line["seq"] for line in seq_lines(run_dir, "sent")
+                        if line["attempt"] == 1 and line["kind"] == 0)
     assert retrained == sent_after == list(range(4 * 2, 8 * 2))
 
 
@@ -57,3 +64,76 @@ def test_raising_rank_ends_the_job_quickly_and_is_named(tmp_path, tiny_target_di
     assert proc.returncode != 0
     assert elapsed < 60, elapsed
     assert f"[{role}{rank}] ERROR failed: InjectedFault: fault injected on rank {rank} at step 3" in proc.stderr
+
+
+def _gone(pid: int) -> bool:
+    return lock._start_ticks(pid) is None   # no such process, or a zombie nobody reaped yet
+
+
+def test_one_job_per_run_dir_orphans_stale_locks_and_checked_resumes(tmp_path, tiny_target_dir):
+    run_dir = tmp_path / "run"
+    common = [f"run.dir={run_dir}", "train.eval_every=0", *tiny_overrides(tmp_path, tiny_target_dir)]
+    # The first job checkpoints steps 1-3, then its drafter stops (SIGSTOP), leaving the cores to the others.
+    first = start_torchrun(2, "topology=t1d1", "train.steps=100000", "run.checkpoint_every=1", "fault.rank=1",
+                           "fault.step=3", "fault.kind=stop", *common, log_path=tmp_path / "first.log")
+    try:
+        wait_for(lambda: (run_dir / "checkpoints" / "step_00000003").exists() or first.poll() is not None, 240,
+                 "the first job's checkpoints")
+        assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        holder = json.loads((run_dir / lock.LOCK_NAME).read_text())
+
+        # A second job on the same run.dir fails within seconds on every rank, naming the holder.
+        start = time.monotonic()
+        second = torchrun(2, "topology=t1d1", "train.steps=100000", *common, timeout=120)
+        assert second.returncode != 0 and time.monotonic() - start < 60
+        for tag in ("target0", "drafter1"):
+            line = next(text for text in second.stderr.splitlines() if f"[{tag}] ERROR" in text)
+            assert f"is in use by another job: host {holder['host']} pid {holder['pid']}" in line, line
+        assert first.poll() is None and sorted(p.name for p in (run_dir / "logs").iterdir()) == [
+            "drafter1.log", "target0.log"]
+
+        # SIGKILL of torchrun itself: its workers follow within seconds (no orphan writing checkpoints).
+        workers = worker_pids(run_dir)
+        assert len(workers) == 2 and holder["pid"] == workers["target0"]
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+        wait_for(lambda: all(_gone(pid) for pid in workers.values()), 10, f"the workers {workers} to exit")
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step_00000003"
+    config = (run_dir / "config.yaml").read_text()
+
+    # The dead job's lock is stale (taken over); resuming its t1d1 checkpoint as t1d2 is refused: at step 3
+    # it had trained micro-batches 0-2, and with 2 per step the stream would go on at 6.
+    third = torchrun(3, "topology=t1d2", "train.steps=100000", *common, timeout=120)
+    assert third.returncode != 0
+    assert f"taking over the lock of host {holder['host']} pid {holder['pid']}" in third.stderr
+    assert "micro-batches per step: checkpoint 1, now 2" in third.stderr
+    assert "micro-batches 3-5 would never be trained" in third.stderr
+
+    # train.steps at or below the checkpoint's step: nothing to train, exit 0, and the lock is released.
+    fourth = torchrun(2, "topology=t1d1", "train.steps=3", *common, timeout=120)
+    assert fourth.returncode == 0, fourth.stderr[-3000:]
+    assert "is at step 3 and train.steps=3: nothing to train" in fourth.stderr
+    assert not (run_dir / lock.LOCK_NAME).exists() and not (run_dir / "summary.json").exists()
+    assert (run_dir / "config.yaml").read_text() == config   # neither refused nor idle jobs rewrote the run's record
+
+
+def test_a_rank_stopped_during_start_up_is_named_within_the_timeout(tmp_path, tiny_target_dir):
+    run_dir = tmp_path / "run"
+    job = start_torchrun(2, "topology=t1d1", "train.steps=4", f"run.dir={run_dir}", "run.timeout_s=8",
+                         "fault.rank=0", "fault.stage=loading_target", "fault.kind=stop",
+                         *tiny_overrides(tmp_path, tiny_target_dir), log_path=tmp_path / "job.log")
+    drafter_log = run_dir / "logs" / "drafter1.log"
+    try:
+        wait_for(lambda: drafter_log.exists() and "ERROR" in drafter_log.read_text() or job.poll() is not None, 240,
+                 "the drafter to name the stopped target")
+        error = next(line for line in drafter_log.read_text().splitlines() if "ERROR" in line)
+        assert "PeerStalled: rank 0 (target on host" in error and "its last stage: loading_target" in error, error
+        silent_s = int(re.search(r"no heartbeat for (\d+) s", error)[1])
+        assert 8 <= silent_s <= 12, error
+    finally:
+        # The stopped rank cannot act on torchrun's SIGTERM until it runs again.
+        os.kill(worker_pids(run_dir)["target0"], signal.SIGCONT)
+    assert job.wait(timeout=60) != 0

@@ -113,7 +113,7 @@ def _worker(out_dir: str, target_dir: str) -> None:
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
-    groups = build_groups(Topology(num_targets=2, num_drafters=1, tp_size=2), rank, timeout_s=60, startup_timeout_s=60)
+    groups = build_groups(Topology(num_targets=2, num_drafters=1, tp_size=2), rank, timeout_s=60)
     if rank < 2:
         target = load_target(target_dir, layer_ids=LAYER_IDS, dtype=torch.float32)
         shard_target(target, groups.unit, torch.device("cpu"))

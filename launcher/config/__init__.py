@@ -59,17 +59,22 @@ def require(cfg: DictConfig, ok: bool, key: str, why: str) -> None:
 
 def _violation(value, rules: dict) -> str | None:
     """Why `value` breaks `rules` (knob's ge/gt/le/lt/choices), or None. None values pass:
-    a field that may be null says so in its type."""
+    a field that may be null says so in its type. With both choices and bounds (`auto` or a
+    number), a value passes as one of the choices or as a number within the bounds."""
     if value is None:
         return None
-    if "choices" in rules and value not in rules["choices"]:
-        names = (str(c).lower() if isinstance(c, bool) else str(c) for c in rules["choices"])
-        return "must be one of " + ", ".join(names)
+    choices = ", ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in rules.get("choices", ()))
     bounds = [("ge", lambda a, b: a >= b, ">="), ("gt", lambda a, b: a > b, ">"),
               ("le", lambda a, b: a <= b, "<="), ("lt", lambda a, b: a < b, "<")]
+    bounds = [(name, holds, symbol) for name, holds, symbol in bounds if name in rules]
+    if "choices" in rules:
+        if value in rules["choices"]:
+            return None
+        if not bounds:
+            return f"must be one of {choices}"
     for name, holds, symbol in bounds:
-        if name in rules and not (isinstance(value, (int, float)) and holds(value, rules[name])):
-            return f"must be {symbol} {rules[name]}"
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and holds(value, rules[name])):
+            return f"must be {symbol} {rules[name]}" + (f" or one of {choices}" if choices else "")
     return None
 
 

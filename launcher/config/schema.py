@@ -15,6 +15,9 @@ from omegaconf import MISSING
 AUTO_BOOL = ("auto", True, False)
 DEVICES = ("auto", "cpu", "cuda")
 BAD_LINE = ("fail", "skip")
+# What a rank does before the stream starts, as it reports it to its peers (launcher/distributed/heartbeat.py).
+STARTUP_STAGES = ("starting", "preparing_target", "resolving", "tokenising", "loading_target", "building_drafter",
+                  "restoring_checkpoint", "compiling", "streaming")
 
 
 def knob(default, doc: str, *, ge=None, gt=None, le=None, lt=None, choices=None, each=None):
@@ -55,7 +58,8 @@ class DrafterSettings:
     num_anchors: int = knob(512, "blocks per row (padded with invalid blocks: one static shape)", ge=1)
     target_layer_ids: Optional[list] = knob(None, "target layers whose outputs feed the drafter (HF numbering); "
                                                   "null: spread evenly (dflash_spec)")
-    mask_token_id: Any = knob("auto", "token id of the masked slots; auto: first unused embedding row of the target")
+    mask_token_id: Any = knob("auto", "token id of the masked slots; auto: first unused embedding row of the target",
+                              choices=("auto",), ge=0)
     backend: str = knob("auto", "attention backend: auto (flex on GPU, sdpa on CPU) | flex | sdpa",
                         choices=("auto", "flex", "sdpa"))
     compile: Any = knob("auto", "torch.compile the layers and head loss: auto (flex at data.fixed_length)",
@@ -143,7 +147,8 @@ class ChannelSettings:
 class IsolationSettings:
     cache_root: Optional[str] = knob(None, "per-rank compile caches under <cache_root or run.dir/compile_cache>")
     recompile_limit: int = knob(8, "dynamo recompiles allowed per function", ge=1)
-    compile_threads: Any = knob("auto", "inductor compile workers per rank: auto (cores / local ranks) or a number")
+    compile_threads: Any = knob("auto", "inductor compile workers per rank: auto (cores / local ranks) or a number",
+                                choices=("auto",), ge=1)
 
 
 @dataclass
@@ -158,7 +163,10 @@ class MetricsSettings:
 class FaultSettings:
     rank: Optional[int] = knob(None, "test only: the rank that dies", ge=0)
     step: Optional[int] = knob(None, "test only: the optimiser step it dies at", ge=0)
-    kind: str = knob("kill", "kill (SIGKILL) | raise", choices=("kill", "raise"))
+    stage: Optional[str] = knob(None, "test only: the start-up stage it fails on entering (instead of a step)",
+                                choices=STARTUP_STAGES)
+    kind: str = knob("kill", "kill (SIGKILL) | raise | stop (SIGSTOP: alive but silent)",
+                     choices=("kill", "raise", "stop"))
     once: bool = knob(True, "only on torchrun's first attempt, so --max-restarts recovers")
 
 

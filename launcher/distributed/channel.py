@@ -6,6 +6,7 @@ Messages between one pair of ranks arrive in order, so no tags are needed.
 """
 from __future__ import annotations
 
+import re
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -27,12 +28,18 @@ class ChannelError(RuntimeError):
     pass
 
 
-def _wait_all(works, comm_device: torch.device) -> None:
+def _wait_all(works, comm_device: torch.device, what: str) -> None:
     """Block the host until the transfers are done. NCCL's wait() only orders the current CUDA
     stream after them, so without the synchronize the waiting would be booked as the next forward
-    or training step and the idle fractions would read ~0 on GPUs."""
-    for work in works:
-        work.wait()
+    or training step and the idle fractions would read ~0 on GPUs. A timeout (run.timeout_s) or a
+    lost peer is re-raised naming `what`: the peer rank and the item."""
+    try:
+        for work in works:
+            work.wait()
+    except RuntimeError as exc:
+        reason = re.sub(r"^\[[^\]]*\]\s*", "", (str(exc).strip().splitlines() or [type(exc).__name__])[-1])
+        raise ChannelError(f"{what} failed (a timeout means no answer within run.timeout_s; see that rank's "
+                           f"log): {reason}") from exc
     if comm_device.type == "cuda":
         torch.cuda.current_stream(comm_device).synchronize()
 
@@ -61,6 +68,10 @@ def _header(item: Item | None, batch_shape=(0, 0), width=0, dtype=torch.bfloat16
     return [_VERSION, item.seq, item.kind, item.index, item.step, b, s, width, _DTYPES.index(dtype), num_tokens]
 
 
+def _named(item: Item) -> str:
+    return f"item seq={item.seq} (step {item.step})"
+
+
 class Sender:
     """Posts sends asynchronously; at most `max_in_flight` items outstanding (backpressure)."""
 
@@ -72,20 +83,21 @@ class Sender:
         self.bytes_sent = 0
         self.sent: list[int] = []
 
-    def _post(self, dst: int, tensors: list[torch.Tensor]) -> list:
+    def _post(self, dst: int, tensors: list[torch.Tensor], what: str) -> tuple[list, str]:
         # gloo raises on the sender for non-contiguous tensors while the receiver waits: copy first.
         tensors = [t.to(self.comm_device).contiguous() for t in tensors]
         self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
-        return [(dist.isend(t, dst), t) for t in tensors]
+        return [(dist.isend(t, dst), t) for t in tensors], f"sending {what} to drafter rank {dst}"
 
     def announce(self, dst: int, item: Item, input_ids: torch.Tensor, width: int, dtype: torch.dtype,
                  num_tokens: int) -> None:
         header = torch.tensor(_header(item, tuple(input_ids.shape), width, dtype, num_tokens), dtype=torch.int64)
-        self._in_flight.append(self._post(dst, [header]))
+        self._in_flight.append(self._post(dst, [header], f"the header of {_named(item)}"))
 
     def send(self, dst: int, item: Item, input_ids: torch.Tensor, loss_mask: torch.Tensor,
              position_ids: torch.Tensor, hidden: torch.Tensor) -> None:
-        self._in_flight.append(self._post(dst, [input_ids, loss_mask, position_ids, hidden]))
+        self._in_flight.append(self._post(dst, [input_ids, loss_mask, position_ids, hidden],
+                                          _named(item)))
         self.sent.append(item.seq)
         # Each item is two entries (header, payload).
         while len(self._in_flight) > 2 * self.max_in_flight:
@@ -93,13 +105,14 @@ class Sender:
 
     def _wait_oldest(self) -> None:
         start = time.perf_counter()
-        _wait_all([work for work, _ in self._in_flight.popleft()], self.comm_device)
+        posted, what = self._in_flight.popleft()
+        _wait_all([work for work, _ in posted], self.comm_device, what)
         self.wait_s += time.perf_counter() - start
 
     def close(self, drafter_ranks: list[int]) -> None:
         """End of stream: one EOS header to every drafter, then drain."""
         for dst in drafter_ranks:
-            self._in_flight.append(self._post(dst, [torch.tensor(_header(None), dtype=torch.int64)]))
+            self._in_flight.append(self._post(dst, [torch.tensor(_header(None), dtype=torch.int64)], "end of stream"))
         while self._in_flight:
             self._wait_oldest()
 
@@ -117,9 +130,10 @@ class Receiver:
         self.received: list[int] = []
         self._pending = None
 
-    def _recv_header(self, src: int) -> list[int]:
+    def _recv_header(self, src: int, expected: str) -> list[int]:
         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.comm_device)
-        dist.irecv(header, src).wait()
+        _wait_all([dist.irecv(header, src)], self.comm_device,
+                  f"receiving the header of {expected} from target rank {src}")
         values = header.tolist()
         if values[0] != _VERSION:
             raise ChannelError(f"channel header from rank {src} has version {values[0]}, expected {_VERSION}")
@@ -128,7 +142,7 @@ class Receiver:
     def _post(self, item: Item):
         src = self._source_rank(item.unit)
         start = time.perf_counter()
-        _, seq, kind, index, step, b, s, width, dtype_code, num_tokens = self._recv_header(src)
+        _, seq, kind, index, step, b, s, width, dtype_code, num_tokens = self._recv_header(src, _named(item))
         self.wait_s += time.perf_counter() - start
         if seq == _EOS:
             raise ChannelError(f"target rank {src} ended its stream before item seq={item.seq}")
@@ -138,7 +152,7 @@ class Receiver:
         tensors = [*(torch.empty(b, s, dtype=torch.int64, device=self.comm_device) for _ in range(3)),
                    torch.empty(b, s, width, dtype=_DTYPES[dtype_code], device=self.comm_device)]
         works = [dist.irecv(t, src) for t in tensors]
-        return item, tensors, works, num_tokens
+        return item, tensors, works, num_tokens, src
 
     def __iter__(self):
         return self
@@ -146,9 +160,9 @@ class Receiver:
     def __next__(self) -> Payload:
         if self._pending is None:
             self._pending = self._post(next(self._items))
-        item, tensors, works, num_tokens = self._pending
+        item, tensors, works, num_tokens, src = self._pending
         start = time.perf_counter()
-        _wait_all(works, self.comm_device)
+        _wait_all(works, self.comm_device, f"receiving {_named(item)} from target rank {src}")
         self.wait_s += time.perf_counter() - start
         nxt = next(self._items, None)
         self._pending = self._post(nxt) if nxt is not None else None
@@ -159,6 +173,6 @@ class Receiver:
     def close(self, unit_leaders: list[int]) -> None:
         """Every unit ends with an EOS header to every drafter: read them so no send is left hanging."""
         for src in unit_leaders:
-            values = self._recv_header(src)
+            values = self._recv_header(src, "the end of stream")
             if values[1] != _EOS:
                 raise ChannelError(f"expected end of stream from rank {src}, got item seq={values[1]}")

@@ -6,6 +6,7 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -14,11 +15,14 @@ from omegaconf import DictConfig
 
 from launcher.config import config_hash, config_yaml
 from launcher.context import Context
+from launcher.distributed.heartbeat import StartupProgress
 from launcher.distributed.isolation import isolate
 from launcher.distributed.topology import Topology, build_groups
-from launcher.resolve import ensure_embedded_target, resolve, resolve_device
-from launcher.run_io import checkpoint
+from launcher.resolve import Job, ensure_embedded_target, resolve, resolve_device
+from launcher.roles.fault import maybe_fail_at_stage
+from launcher.run_io.lock import RunLock
 from launcher.run_io.provenance import provenance, this_rank, write_provenance
+from launcher.run_io.resume import Launch, ResumeError, choose
 from launcher.run_io.rundir import default_run_dir, prepare_run_dir, setup_logging
 
 log = logging.getLogger("dflash")
@@ -47,13 +51,15 @@ def _backend_for(device: torch.device, env: ProcessEnv) -> str:
 
 
 def _agree_on_run_dir(cfg: DictConfig, env: ProcessEnv, control) -> Path:
-    """Rank 0 decides and creates the run dir once; every rank gets the path or rank 0's error."""
+    """Rank 0 decides and creates the run dir once and takes its lock (one job per run dir); every rank
+    gets the path or rank 0's error."""
     box = [None, None]
     if env.rank == 0:
         try:
             if cfg.run.dir is None and env.restart > 0:
                 raise OSError("run.dir=None: a restarted job must find its checkpoints; pass a fixed run.dir")
             box[0] = str(prepare_run_dir(cfg.run.dir or default_run_dir()))
+            RunLock.acquire(Path(box[0]))
         except OSError as exc:
             box[1] = str(exc)
     dist.broadcast_object_list(box, src=0, group=control)
@@ -72,23 +78,33 @@ def _check_same_config(cfg: DictConfig, control) -> None:
                            f"(hashes {hashes}): launch every rank with the same overrides and conf/")
 
 
-def _resume_point(cfg: DictConfig, rank: int, lead: int, run_dir: Path, control) -> tuple[int, Path | None]:
-    """The lead drafter picks the checkpoint to resume from; every rank starts its stream at its step."""
-    box: list = [0, None, None]
-    if rank == lead and cfg.run.resume != "never":
+def _resume_point(job: Job, env: ProcessEnv, lead: int, run_dir: Path, control) -> tuple[int, Path | None]:
+    """The lead drafter picks the checkpoint to resume from (launcher/run_io/resume.py); every rank starts
+    its stream at its step, or, when the checkpoint already reached train.steps, every rank exits 0."""
+    box: list = [None, None]
+    if env.rank == lead:
         try:
-            if cfg.run.resume == "auto":
-                found = checkpoint.load_latest(run_dir / "checkpoints")
-                if found:
-                    box[:2] = found[1], str(found[0])
-            else:
-                box[:2] = checkpoint.load(Path(cfg.run.resume))[0], str(cfg.run.resume)
+            box[0] = choose(job, run_dir, Launch(os.environ.get("TORCHELASTIC_RUN_ID", ""), env.restart))
+        except ResumeError as exc:
+            box[1] = str(exc)
         except (OSError, ValueError, RuntimeError) as exc:
-            box[2] = f"run.resume={cfg.run.resume!r}: cannot load the checkpoint: {exc}"
+            box[1] = f"run.resume={job.cfg.run.resume!r}: cannot load the checkpoint: {exc}"
     dist.broadcast_object_list(box, src=lead, group=control)
-    if box[2]:
-        raise ValueError(box[2])
-    return box[0], (Path(box[1]) if box[1] else None)
+    if box[1]:
+        raise ResumeError(box[1])
+    point = box[0]
+    if point.finished:
+        log.log(logging.WARNING if env.rank == lead else logging.INFO, "%s", point.finished)
+        dist.destroy_process_group()
+        raise SystemExit(0)
+    return point.step, (Path(point.path) if point.path else None)
+
+
+def _progress(cfg: DictConfig, topo: Topology, env: ProcessEnv) -> StartupProgress:
+    """This rank's start-up reports (and the test-only fault.stage injection on entering a stage)."""
+    roles = [topo.role(r) for r in range(env.world)]
+    return StartupProgress.connect(env.rank, roles, cfg.run.timeout_s, cfg.run.startup_timeout_s,
+                                   on_stage=partial(maybe_fail_at_stage, cfg.fault, env.rank))
 
 
 def start_process(cfg: DictConfig, overrides: list[str], topo: Topology, env: ProcessEnv) -> Context:
@@ -103,7 +119,8 @@ def start_process(cfg: DictConfig, overrides: list[str], topo: Topology, env: Pr
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.run.timeout_s),
                             device_id=device if backend == "nccl" else None)
-    groups = build_groups(topo, env.rank, cfg.run.timeout_s, cfg.run.startup_timeout_s)
+    groups = build_groups(topo, env.rank, cfg.run.timeout_s)
+    progress = _progress(cfg, topo, env)
     run_dir = _agree_on_run_dir(cfg, env, groups.control)
     lead = env.rank == topo.lead_drafter
     setup_logging(tag, logging.INFO if lead else logging.WARNING, run_dir / "logs" / f"{tag}.log")
@@ -111,20 +128,22 @@ def start_process(cfg: DictConfig, overrides: list[str], topo: Topology, env: Pr
     layout = [None] * env.world
     dist.all_gather_object(layout, this_rank(env.rank, role, device), group=groups.control)
     record = provenance(overrides, layout)
-    if env.rank == 0:
-        (run_dir / "config.yaml").write_text(config_yaml(cfg))
-        write_provenance(run_dir, record)
     iso = isolate(role, env.rank, env.local_world, Path(cfg.isolation.cache_root or run_dir / "compile_cache"),
                   device, cfg.isolation.recompile_limit, cfg.isolation.compile_threads)
     log.info("pid %d role %s rank %d/%d device %s backend %s threads %d compile cache %s", iso.pid, role, env.rank,
              env.world, device, backend, iso.threads, iso.cache_dir)
     # One builder per node (nodes need not share a filesystem); the build is atomic and idempotent.
     if env.local_rank == 0:
+        progress.stage("preparing_target")
         ensure_embedded_target(cfg, cfg.run.seed)
-    dist.barrier(group=groups.startup)
+    progress.meet("target_ready")
+    progress.stage("resolving")
     job = resolve(cfg, topo, device)
-    start_step, resume_from = _resume_point(cfg, env.rank, topo.lead_drafter, run_dir, groups.control)
+    start_step, resume_from = _resume_point(job, env, topo.lead_drafter, run_dir, groups.control)
+    if env.rank == 0:   # only once the run may go on: a refused resume leaves the run's own record as it was
+        (run_dir / "config.yaml").write_text(config_yaml(cfg))
+        write_provenance(run_dir, record)
     if resume_from:
         log.warning("resuming at step %d from %s", start_step, resume_from)
     return Context(job, env.rank, groups, device if backend == "nccl" else torch.device("cpu"), run_dir,
-                   start_step, resume_from, iso, record)
+                   start_step, resume_from, iso, record, progress)

@@ -82,17 +82,16 @@ def parse_topology(spec: str, world_size: int, tp_size: int = 1) -> Topology:
 @dataclass
 class Groups:
     control: dist.ProcessGroup          # gloo over the world: objects, config hash, summaries
-    startup: dist.ProcessGroup          # gloo over the world, long timeout: waits out model loads and compiles
     targets: dist.ProcessGroup
     drafters: dist.ProcessGroup
     unit: dist.ProcessGroup | None      # this rank's tensor-parallel target unit (None on drafters)
 
 
-def build_groups(topo: Topology, rank: int, timeout_s: float, startup_timeout_s: float) -> Groups:
-    """Every rank calls new_group for every group, in this one order, as torch.distributed requires."""
+def build_groups(topo: Topology, rank: int, timeout_s: float) -> Groups:
+    """Every rank calls new_group for every group, in this one order, as torch.distributed requires.
+    (Start-up waits, bounded by run.startup_timeout_s, go through launcher/distributed/heartbeat.py.)"""
     timeout = timedelta(seconds=timeout_s)
     control = dist.new_group(backend="gloo", timeout=timeout)
-    startup = dist.new_group(backend="gloo", timeout=timedelta(seconds=startup_timeout_s))
     targets = dist.new_group(list(range(topo.num_targets)), timeout=timeout)
     drafter_ranks = list(range(topo.num_targets, topo.world_size))
     drafters = dist.new_group(drafter_ranks, timeout=timeout)
@@ -102,4 +101,4 @@ def build_groups(topo: Topology, rank: int, timeout_s: float, startup_timeout_s:
         group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             unit = group
-    return Groups(control, startup, targets, drafters, unit)
+    return Groups(control, targets, drafters, unit)

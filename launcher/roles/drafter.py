@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 import dflash_core
 from dflash_core.compile import compile_count, report
@@ -17,7 +16,7 @@ from launcher.distributed.channel import Receiver
 from launcher.distributed.isolation import CompileShare, source_digest
 from launcher.roles.fault import maybe_fail
 from launcher.roles.trainer import DrafterTrainer
-from launcher.run_io import checkpoint
+from launcher.run_io import checkpoint, resume
 from launcher.run_io.metrics import MetricsSink, RunStats
 from launcher.run_io.plots import plot_run
 from launcher.run_io.provenance import card_provenance
@@ -54,6 +53,7 @@ def _warm_up(ctx: Context, trainer: DrafterTrainer) -> float | None:
     shape = ctx.job.compile.warm_up_shape
     if shape is None:
         return None
+    ctx.progress.stage("compiling")
     started = time.perf_counter()
     share = _compile_share(ctx) if ctx.job.compile.compiled else None
     builder = share is not None and ctx.rank == _node_builder(ctx)
@@ -81,12 +81,15 @@ def run_drafter(ctx: Context, sink: MetricsSink | None) -> dict:
     """The drafter loop; `sink` is the lead drafter's metrics sink (None on the others)."""
     job, cfg, topo, sched = ctx.job, ctx.cfg, ctx.topo, ctx.job.schedule
     lead = ctx.rank == topo.lead_drafter
+    ctx.progress.stage("building_drafter")
     trainer = DrafterTrainer(job, ctx.groups.drafters)
     if ctx.resume_from is not None:
+        ctx.progress.stage("restoring_checkpoint")
         trainer.load_state(checkpoint.load(ctx.resume_from)[1])
     compile_s = _warm_up(ctx, trainer)   # the warm-up, or else the first step: when this process compiles
     graphs_before_stream = compile_count()
-    dist.barrier(group=ctx.groups.startup)
+    ctx.progress.meet("stream")
+    ctx.progress.stage("streaming")
     receiver = Receiver(sched.items_for_drafter(topo.drafter_index(ctx.rank), ctx.start_step), topo.unit_leader,
                         ctx.comm_device, ctx.device)
     seq_log, stats = SeqLog(ctx.run_dir, ctx.rank), RunStats()
@@ -126,7 +129,7 @@ def run_drafter(ctx: Context, sink: MetricsSink | None) -> dict:
         done = step + 1
         if lead and (done == cfg.train.steps or (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0)):
             log.info("checkpoint %s", checkpoint.save(ctx.run_dir / "checkpoints", done, trainer.state(done),
-                                                      cfg.run.keep_checkpoints))
+                                                      cfg.run.keep_checkpoints, record=resume.record(job)))
     receiver.close([topo.unit_leader(u) for u in range(topo.num_units)])
     seq_log.close()
     if lead:

@@ -1,4 +1,5 @@
-"""Test-only fault injection: make one rank die (SIGKILL) or raise at a chosen step.
+"""Test-only fault injection: make one rank die (SIGKILL), raise, or stop (SIGSTOP: alive to the
+kernel, silent to its peers) at a chosen step or on entering a chosen start-up stage.
 
 Fires on the first attempt only (torchrun's restart count 0), so a run under
 `--max-restarts` recovers instead of failing the same way again.
@@ -15,11 +16,20 @@ class InjectedFault(RuntimeError):
     pass
 
 
-def maybe_fail(fault: DictConfig, rank: int, step: int) -> None:
-    if fault.rank is None or fault.rank != rank or fault.step != step:
-        return
+def _fire(fault: DictConfig, rank: int, where: str) -> None:
     if fault.once and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return
-    if fault.kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    raise InjectedFault(f"fault injected on rank {rank} at step {step} (fault.kind=raise)")
+    if fault.kind in ("kill", "stop"):
+        os.kill(os.getpid(), signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
+        return
+    raise InjectedFault(f"fault injected on rank {rank} at {where} (fault.kind=raise)")
+
+
+def maybe_fail(fault: DictConfig, rank: int, step: int) -> None:
+    if fault.rank == rank and fault.stage is None and fault.step == step:
+        _fire(fault, rank, f"step {step}")
+
+
+def maybe_fail_at_stage(fault: DictConfig, rank: int, stage: str) -> None:
+    if fault.rank == rank and fault.stage == stage:
+        _fire(fault, rank, f"stage {stage}")

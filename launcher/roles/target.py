@@ -6,7 +6,6 @@ import random
 import time
 
 import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from dflash_core.data import MicroBatchSource, describe_drops, drop_warning, load_samples, load_tokenizer
@@ -94,19 +93,22 @@ def run_target(ctx: Context) -> dict:
     unit = topo.unit_of(ctx.rank)
     is_leader = ctx.rank == topo.unit_leader(unit)
     # Rank 0 tokenises first so the other target ranks read its cache instead of racing to write it.
+    ctx.progress.stage("tokenising")
     if ctx.rank != 0:
-        dist.barrier(group=ctx.groups.targets)
+        ctx.progress.wait_for("data_cached", [0])
     train_source, eval_source, data_stats = build_sources(job)
     if ctx.rank == 0:
-        dist.barrier(group=ctx.groups.targets)
+        ctx.progress.arrive("data_cached")
     log.info("data: %s", data_stats)
     if ctx.rank == 0:   # once per job, on the console
         log.warning("data: %s", drop_warning(data_stats) or describe_drops(data_stats))
+    ctx.progress.stage("loading_target")
     target = load_capturing_target(ctx)
 
     # Drafters may still be compiling: wait for them here, under the long start-up timeout,
     # rather than in a send bounded by run.timeout_s.
-    dist.barrier(group=ctx.groups.startup)
+    ctx.progress.meet("stream")
+    ctx.progress.stage("streaming")
     sender = Sender(ctx.comm_device, ctx.cfg.channel.max_in_flight)
     width = job.target.feature_width
     forward_s = data_s = 0.0

@@ -1,22 +1,37 @@
-"""Atomic checkpoints: write into a temporary dir, fsync, rename, then move the `latest` pointer.
+"""Atomic checkpoints of one run lineage: write into a temporary dir, fsync, rename, then move the
+`latest` pointer.
 
-A reader only ever trusts a directory that holds `meta.json` (written last, inside the
-temporary dir), so a crash mid-write leaves the previous checkpoint as the latest complete one.
+A reader only ever trusts a directory that holds `meta.json` (written last, inside the temporary
+dir), so a crash mid-write leaves the previous checkpoint as the latest complete one. A *lineage*
+is one training history in a checkpoints dir (a fresh start and every resume after it): its id is in
+`lineage.json` and in each checkpoint's `meta.json`. `latest` names what this lineage's last
+complete save wrote; pruning removes only this lineage's older checkpoints, never the one just
+written nor the one `latest` names. A failed write (a full disk) removes its temporary dir and
+leaves the previous checkpoint and `latest` as they were.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import random
 import re
 import shutil
+import time
+import uuid
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger("dflash")
 _NAME = re.compile(r"^step_(\d{8})$")
+LINEAGE_FILE = "lineage.json"
+POINTER = "latest"
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written; the message names the path and the cause."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -34,9 +49,22 @@ def _write_file(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
+def _write_state(path: Path, state: dict) -> None:
+    # Through a Python file object, so a failed write keeps its OSError (errno) as the cause.
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
         os.fsync(f.fileno())
+
+
+def _replace_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}_{os.getpid()}")
+    try:
+        _write_file(tmp, data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
 
 
 def rng_state() -> dict:
@@ -53,52 +81,142 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(root: Path, step: int, state: dict, keep: int) -> Path:
-    """`step` is the number of optimiser steps done; the run resumes at that step index."""
+# ----------------------------------------------------------------------------------- lineage
+def read_lineage(root: Path) -> dict | None:
+    """{"id", "parent", "started"} of the lineage writing into `root`, or None."""
+    path = Path(root) / LINEAGE_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def start_lineage(root: Path, parent: str | None = None, **about) -> str:
+    """A new lineage in `root`: a fresh run, or one continuing the checkpoint `parent` of another dir;
+    `about` (e.g. which job started it) is recorded with it."""
+    root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:08d}"
-    tmp = root / f".tmp_step_{step:08d}_{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    torch.save(state, tmp / "state.pt")
-    _fsync_file(tmp / "state.pt")
-    _write_file(tmp / "meta.json", json.dumps({"step": step}).encode())
-    _fsync_dir(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
-    pointer_tmp = root / f".latest_{os.getpid()}"
-    _write_file(pointer_tmp, final.name.encode())
-    os.replace(pointer_tmp, root / "latest")
-    _fsync_dir(root)
-    _prune(root, keep)
-    return final
+    lineage = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+    _replace_atomically(root / LINEAGE_FILE, json.dumps({"id": lineage, "parent": parent, "started": time.time(),
+                                                         **about}).encode())
+    return lineage
 
 
-def _complete(root: Path) -> list[Path]:
+def _lineage_id(root: Path) -> str:
+    record = read_lineage(root)
+    return record["id"] if record else start_lineage(root)
+
+
+def read_meta(path: Path) -> dict:
+    return json.loads((Path(path) / "meta.json").read_text())
+
+
+def complete(root: Path) -> list[Path]:
+    """Every complete checkpoint in `root`, whatever its lineage, by step."""
+    root = Path(root)
     found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / "meta.json").is_file()] if root.is_dir() else []
     return sorted(found, key=lambda p: p.name)
 
 
-def _prune(root: Path, keep: int) -> None:
-    for old in _complete(root)[:-keep] if keep > 0 else []:
+def _belongs(path: Path, lineage: str) -> bool:
+    """A checkpoint from before lineages counts as the dir's; so does a torn meta.json (load() reports it)."""
+    try:
+        return read_meta(path).get("lineage", lineage) == lineage
+    except (OSError, ValueError):
+        return True
+
+
+def _members(root: Path, lineage: str) -> list[Path]:
+    """This lineage's complete checkpoints by step."""
+    return [path for path in complete(root) if _belongs(path, lineage)]
+
+
+def pointed(root: Path) -> Path | None:
+    """The checkpoint `latest` names, when it exists."""
+    pointer = Path(root) / POINTER
+    if not pointer.is_file():
+        return None
+    path = Path(root) / pointer.read_text().strip()
+    return path if (path / "meta.json").is_file() else None
+
+
+# ----------------------------------------------------------------------------------- writing
+def _why(exc: BaseException) -> str:
+    """The OS error under `exc` (torch.save wraps it), named by errno, or the exception itself."""
+    cause = exc
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return f"{type(exc).__name__}: {exc}"
+    name = errno.errorcode.get(cause.errno, "") if cause.errno else ""
+    return f"{cause.strerror or cause} ({name})" if name else str(cause.strerror or cause)
+
+
+def _check_ours(final: Path, lineage: str) -> None:
+    if (final / "meta.json").is_file() and not _belongs(final, lineage):
+        raise CheckpointWriteError(f"{final} belongs to another run (lineage {read_meta(final).get('lineage')}, "
+                                   f"this run is {lineage}): not overwriting it")
+
+
+def save(root: Path, step: int, state: dict, keep: int, record: dict | None = None) -> Path:
+    """`step` is the number of optimiser steps done; the run resumes at that step index. `record`
+    (e.g. the config the state was trained with) goes into meta.json."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    lineage = _lineage_id(root)
+    final = root / f"step_{step:08d}"
+    _check_ours(final, lineage)
+    tmp = root / f".tmp_step_{step:08d}_{os.getpid()}"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        _write_state(tmp / "state.pt", state)
+        meta = {"step": step, "lineage": lineage, "saved": time.time(), **(record or {})}
+        _write_file(tmp / "meta.json", json.dumps(meta).encode())
+        _fsync_dir(tmp)
+        if final.exists():   # this lineage re-saving a step (after falling back from a broken one)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        _replace_atomically(root / POINTER, final.name.encode())
+    except Exception as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = pointed(root)
+        kept = f"latest still names {previous.name}" if previous else "there is no earlier checkpoint"
+        raise CheckpointWriteError(f"could not write checkpoint {final}: {_why(exc)}; {kept} and no temporary "
+                                   f"files were left (free space there: "
+                                   f"{shutil.disk_usage(root).free / 2**30:.1f} GiB)") from exc
+    _prune(root, lineage, keep, final)
+    return final
+
+
+def _prune(root: Path, lineage: str, keep: int, written: Path) -> None:
+    """Keep this lineage's `keep` newest checkpoints; never the one just written or `latest`'s."""
+    protected = {written, pointed(root)}
+    older = [p for p in _members(root, lineage) if p not in protected]
+    for old in older[:max(0, len(older) - (keep - 1))]:
         shutil.rmtree(old, ignore_errors=True)
 
 
+# ----------------------------------------------------------------------------------- reading
 def load_latest(root: Path) -> tuple[Path, int, dict] | None:
-    """The newest checkpoint that loads; broken ones are skipped with a warning."""
-    for path in reversed(_complete(root)):
+    """The checkpoint `latest` names, or when it is broken (warned) this lineage's newest one that loads."""
+    root = Path(root)
+    record = read_lineage(root)
+    lineage = record["id"] if record else None
+    candidates = list(reversed(_members(root, lineage))) if lineage else list(reversed(complete(root)))
+    first = pointed(root)
+    if first is not None and first in candidates:
+        candidates.remove(first)
+        candidates.insert(0, first)
+    for path in candidates:
         try:
             return (path, *load(path))
-        except Exception as exc:  # a torn or corrupt file: fall back to the previous checkpoint
+        except Exception as exc:  # noqa: BLE001 (a torn or corrupt file, whatever torch.load raises: fall back)
             log.warning("checkpoint %s is unreadable (%s: %s); trying the previous one", path, type(exc).__name__, exc)
     return None
 
 
 def load(path: Path) -> tuple[int, dict]:
     path = Path(path)
-    meta = json.loads((path / "meta.json").read_text())
+    meta = read_meta(path)
     # mmap: checking a large checkpoint does not read it all; a torn zip still fails here.
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=False, mmap=True)
     if state.get("step") != meta["step"]:

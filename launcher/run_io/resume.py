@@ -1,0 +1,180 @@
+"""Where a run starts: which checkpoint it continues, and whether the current config may continue it.
+
+Every checkpoint's meta.json records what it was trained with: the drafter's shape (`model`), what
+decides which micro-batches each step consumes (`stream`) and the whole resolved config. On resume
+the shape must match (the weights would not fit, or would be trained for another block size or
+feature set) and so must the stream: step k consumes the micro-batches [k P, (k + 1) P) of a data
+order fixed by the seed, the data and the micro-batch size, with P = drafter ranks x grad_accum, so
+any change there would train some micro-batches twice and others never. (A topology with another
+drafter count but the same P, e.g. t1d2 -> t1d1 with grad_accum 1 -> 2, consumes the same
+micro-batches and is allowed.) Other changes (learning rate, steps, ...) are listed in a warning.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from dflash_core.families import text_config
+from launcher.resolve import Job
+from launcher.run_io import checkpoint
+
+log = logging.getLogger("dflash")
+# Keys that name this launch, not what is trained.
+_PER_LAUNCH = ("run.dir", "run.resume", "fault.")
+
+
+class ResumeError(ValueError):
+    """The run cannot start from the checkpoint(s) it finds; the message says what to do instead."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Which torchrun job and attempt this is (TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT)."""
+    job: str = ""
+    attempt: int = 0
+
+    def restarts(self, lineage: dict | None) -> bool:
+        """This is a later attempt (--max-restarts) of the torchrun job that started `lineage`."""
+        return (bool(self.job) and lineage is not None and lineage.get("job") == self.job
+                and self.attempt > lineage.get("attempt", 0))
+
+    def start_lineage(self, root: Path, parent: str | None = None) -> None:
+        checkpoint.start_lineage(root, parent, job=self.job, attempt=self.attempt)
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    step: int = 0                  # first optimiser step this run executes
+    path: str | None = None        # checkpoint it restores
+    finished: str | None = None    # why there is nothing to train (train.steps at or below the checkpoint's)
+
+
+def _flat(node, prefix: str = "") -> dict:
+    out = {}
+    for key, value in node.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def record(job: Job) -> dict:
+    """What meta.json records about the config a checkpoint was trained with."""
+    cfg, sched = job.cfg, job.schedule
+    model = {f"drafter.{key}": value for key, value in dataclasses.asdict(job.drafter).items()}
+    model["target.model_type"] = text_config(job.target.hf_config).model_type
+    stream = {"micro-batches per step": sched.train_per_step, "train.micro_batch_size": cfg.train.micro_batch_size,
+              "run.seed": cfg.run.seed, "data.packing": job.packing, "held-out split": sched.eval_batches > 0,
+              **{f"data.{key}": OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+                 for key, value in cfg.data.items() if key not in ("cache_dir", "packing")}}
+    return {"model": model, "stream": stream, "split": {"drafter ranks": sched.num_drafters,
+                                                        "train.grad_accum": sched.grad_accum},
+            "config": _flat(OmegaConf.to_container(cfg, resolve=True))}
+
+
+def _changes(saved: dict, now: dict, skip=()) -> list[str]:
+    keys = [k for k in dict.fromkeys([*saved, *now]) if not k.startswith(skip)]
+    return [f"{key}: checkpoint {saved.get(key)!r}, now {now.get(key)!r}" for key in keys
+            if saved.get(key) != now.get(key)]
+
+
+def _stream_consequence(saved: dict, now: dict, step: int) -> str:
+    per_step = "micro-batches per step"
+    before, after = saved["stream"][per_step], now["stream"][per_step]
+    if before != after and not _changes(saved["stream"], now["stream"], skip=(per_step,)):
+        split = [" x ".join(str(v) for v in side["split"].values()) for side in (saved, now)]
+        trained, next_first = step * before, step * after
+        gap = (f"micro-batches {trained}-{next_first - 1} would never be trained" if after > before else
+               f"micro-batches {next_first}-{trained - 1} would be trained twice")
+        return (f"the checkpoint trained micro-batches 0-{trained - 1} ({before} per step: drafter ranks x "
+                f"train.grad_accum = {split[0]}); resuming at step {step} with {after} per step ({split[1]}), {gap}")
+    return ("the micro-batches after the checkpoint would not continue its data order (some samples trained "
+            "twice, others never)")
+
+
+def check(meta: dict, job: Job, path: Path) -> None:
+    """ResumeError unless the current config can continue the checkpoint at `path`; other changes warned."""
+    if "model" not in meta:
+        log.warning("checkpoint %s records no config (written before resumes were checked): not compared", path)
+        return
+    now, step = json.loads(json.dumps(record(job))), meta["step"]   # compared as meta.json stores it
+    shape = _changes(meta["model"], now["model"])
+    if shape:
+        raise ResumeError(f"cannot resume from {path}: the drafter's shape differs from the checkpoint's "
+                          f"({'; '.join(shape)}); resume with the checkpoint's settings, or train this shape in "
+                          f"another run.dir")
+    stream = _changes(meta["stream"], now["stream"])
+    if stream:
+        raise ResumeError(f"cannot resume from {path} at step {step}: {'; '.join(stream)}: "
+                          f"{_stream_consequence(meta, now, step)}; resume with the checkpoint's values, or start "
+                          f"fresh in another run.dir")
+    others = _changes(meta["config"], now["config"], skip=_PER_LAUNCH + tuple(now["model"]) + tuple(now["stream"]))
+    if others:
+        log.warning("resuming from %s with changed settings: %s", path, "; ".join(others))
+
+
+def _explicit(setting: str, run_dir: Path, launch: Launch) -> tuple[Path, int]:
+    """run.resume=<checkpoint>: into a run dir with no checkpoints of another history. A restart of the
+    job that started from it (its lineage's parent) continues that job's own latest checkpoint."""
+    root, source = run_dir / "checkpoints", Path(setting).resolve()
+    lineage = checkpoint.read_lineage(root)
+    if lineage is not None and lineage.get("parent") == str(source):
+        own = checkpoint.load_latest(root)
+        if own is not None:
+            log.warning("run.resume=%s: this run.dir continues it already; resuming from its own latest %s",
+                        setting, own[0])
+            return own[0], own[1]
+        return source, checkpoint.load(source)[0]
+    latest = checkpoint.pointed(root)
+    if latest is not None and latest.resolve() == source:   # the dir's own latest, named explicitly
+        return source, checkpoint.load(source)[0]
+    if checkpoint.complete(root):
+        raise ResumeError(f"run.resume={setting}: run.dir={str(run_dir)!r} already holds the checkpoints of another "
+                          f"training history (latest {latest.name if latest else 'unknown'}), which later saves "
+                          f"would mix with: resume into another run.dir, or move or delete {root}")
+    step = checkpoint.load(source)[0]
+    launch.start_lineage(root, parent=str(source))
+    return source, step
+
+
+def choose(job: Job, run_dir: Path, launch: Launch = Launch()) -> ResumePoint:
+    """The lead drafter's decision (the other ranks receive it): start fresh, continue this run dir's
+    latest checkpoint, or continue run.resume's checkpoint; refused with a clear error when that
+    would mix training histories or change what the checkpoint was trained with."""
+    setting, root = job.cfg.run.resume, run_dir / "checkpoints"
+    if setting == "never":
+        existing = checkpoint.complete(root)
+        if not existing:
+            launch.start_lineage(root)
+            return ResumePoint()
+        if not launch.restarts(checkpoint.read_lineage(root)):
+            raise ResumeError(f"run.resume=never: run.dir={str(run_dir)!r} already holds checkpoints "
+                              f"({', '.join(p.name for p in existing)}); to start fresh pick another run.dir, or "
+                              f"move or delete {root}; run.resume=auto continues them")
+        log.warning("run.resume=never: attempt %d of torchrun job %s continues the checkpoints its first attempt "
+                    "started", launch.attempt, launch.job)
+        setting = "auto"
+    if setting == "auto":
+        found = checkpoint.load_latest(root)
+        if found is None:
+            if checkpoint.complete(root):
+                raise ResumeError(f"run.dir={str(run_dir)!r} holds checkpoints but none of them loads (see the "
+                                  f"warnings above): run.resume=<a good checkpoint>, or move or delete {root}")
+            if checkpoint.read_lineage(root) is None:
+                launch.start_lineage(root)
+            return ResumePoint()
+        path, step = found[0], found[1]
+    else:
+        path, step = _explicit(setting, run_dir, launch)
+    check(checkpoint.read_meta(path), job, path)
+    finished = None
+    if step >= job.cfg.train.steps:
+        finished = (f"the checkpoint {path} is at step {step} and train.steps={job.cfg.train.steps}: nothing to "
+                    f"train (raise train.steps to train further)")
+    return ResumePoint(step, str(path), finished)

@@ -1,0 +1,113 @@
+"""Where a run starts (launcher/run_io/resume.py): checked resumes, one training history per run dir."""
+import pytest
+import torch
+
+from launcher.config import compose_config
+from launcher.distributed.schedule import TRAIN
+from launcher.distributed.topology import Topology
+from launcher.resolve import resolve
+from launcher.run_io import checkpoint, resume
+from launcher.run_io.resume import Launch, ResumeError
+
+
+@pytest.fixture
+def make_job(tiny_target_dir, tmp_path):
+    def make(*overrides, drafters=2):
+        cfg = compose_config([f"target.path={tiny_target_dir}", f"data.cache_dir={tmp_path / 'tok'}", "train.steps=40",
+                              *overrides])
+        return resolve(cfg, Topology(1, drafters), torch.device("cpu"))
+    return make
+
+
+def _trained(job, run_dir, step):
+    """What the lead drafter writes after `step` steps (the state itself does not matter here)."""
+    return checkpoint.save(run_dir / "checkpoints", step, {"step": step}, keep=2, record=resume.record(job))
+
+
+def _train_indices(job, start, stop):
+    return [it.index for it in job.schedule.items(start) if it.kind == TRAIN and it.step < stop]
+
+
+def test_another_drafter_count_is_refused_naming_the_untrained_micro_batches(make_job, tmp_path):
+    t1d2, t1d3 = make_job(drafters=2), make_job(drafters=3)
+    _trained(t1d2, tmp_path, 20)
+    # The issue's failure: the t1d2 run trained micro-batches 0-39; resumed as t1d3 at step 20 the stream
+    # went on at micro-batch 60, so 40-59 were never trained.
+    assert _train_indices(t1d2, 0, 20) == list(range(40))
+    assert _train_indices(t1d3, 20, 21)[0] == 60
+    with pytest.raises(ResumeError, match=r"micro-batches per step: checkpoint 2, now 3.*"
+                                          r"micro-batches 40-59 would never be trained"):
+        resume.choose(t1d3, tmp_path)
+
+
+def test_same_micro_batches_per_step_resume_and_other_changes_are_warned(make_job, tmp_path, caplog):
+    _trained(make_job(drafters=2), tmp_path, 20)
+    # t1d1 with grad_accum 2 consumes micro-batches [2k, 2k + 2) at step k, exactly as t1d2 did.
+    with caplog.at_level("WARNING", logger="dflash"):
+        point = resume.choose(make_job("train.grad_accum=2", "optim.lr=0.001", drafters=1), tmp_path)
+    assert (point.step, point.finished) == (20, None) and point.path.endswith("step_00000020")
+    assert "optim.lr: checkpoint 0.0006, now 0.001" in caplog.text
+
+
+@pytest.mark.parametrize("override,named", [
+    ("train.micro_batch_size=2", "train.micro_batch_size: checkpoint 4, now 2"),
+    ("run.seed=1", "run.seed: checkpoint 0, now 1"),
+])
+def test_a_changed_data_order_is_refused(make_job, tmp_path, override, named):
+    _trained(make_job(), tmp_path, 20)
+    with pytest.raises(ResumeError, match=named + r".*would not continue its data order"):
+        resume.choose(make_job(override), tmp_path)
+
+
+def test_a_changed_drafter_shape_is_refused_naming_both_values(make_job, tmp_path):
+    _trained(make_job(), tmp_path, 20)
+    with pytest.raises(ResumeError, match=r"drafter.block_size: checkpoint 8, now 4"):
+        resume.choose(make_job("drafter.block_size=4"), tmp_path)
+
+
+def test_steps_at_or_below_the_checkpoint_finish_without_training(make_job, tmp_path):
+    _trained(make_job(), tmp_path, 20)
+    for steps in (20, 10):
+        point = resume.choose(make_job(f"train.steps={steps}"), tmp_path)
+        assert point.step == 20 and f"at step 20 and train.steps={steps}: nothing to train" in point.finished
+
+
+def test_resume_never_over_existing_checkpoints_is_refused(make_job, tmp_path):
+    # The issue: run.resume=never in a dir holding an older run's checkpoints mixed two histories.
+    _trained(make_job(), tmp_path, 20)
+    with pytest.raises(ResumeError, match=r"run.resume=never: .* already holds checkpoints \(step_00000020\); to "
+                                          r"start fresh pick another run.dir, or move or delete .*checkpoints"):
+        resume.choose(make_job("run.resume=never"), tmp_path)
+    assert resume.choose(make_job("run.resume=never"), tmp_path / "fresh").step == 0
+
+
+def test_resume_never_restarted_by_torchrun_continues_its_own_checkpoints(make_job, tmp_path):
+    job = make_job("run.resume=never")
+    assert resume.choose(job, tmp_path, Launch("job-1", 0)).step == 0
+    _trained(job, tmp_path, 20)
+    # --max-restarts relaunches the same command: the restart continues what its first attempt saved.
+    assert resume.choose(job, tmp_path, Launch("job-1", 1)).step == 20
+    with pytest.raises(ResumeError, match="run.resume=never"):   # another job with the same command
+        resume.choose(job, tmp_path, Launch("job-2", 0))
+
+
+def test_explicit_resume_starts_a_lineage_and_its_restart_continues_it(make_job, tmp_path):
+    source = _trained(make_job(), tmp_path / "a", 20)
+    job = make_job(f"run.resume={source}")
+    assert resume.choose(job, tmp_path / "b").step == 20
+    assert checkpoint.read_lineage(tmp_path / "b" / "checkpoints")["parent"] == str(source)
+    _trained(job, tmp_path / "b", 30)
+    # A torchrun restart of that job (same overrides) continues its own step 30, not the source again.
+    assert resume.choose(job, tmp_path / "b").step == 30
+    # Resuming another checkpoint into a dir holding this history would mix them.
+    other = _trained(make_job(), tmp_path / "c", 25)
+    with pytest.raises(ResumeError, match=r"already holds the checkpoints of another training history "
+                                          r"\(latest step_00000030\)"):
+        resume.choose(make_job(f"run.resume={other}"), tmp_path / "b")
+
+
+def test_checkpoints_that_all_fail_to_load_are_not_silently_restarted(make_job, tmp_path):
+    bad = _trained(make_job(), tmp_path, 20)
+    (bad / "state.pt").write_bytes(b"garbage")
+    with pytest.raises(ResumeError, match="holds checkpoints but none of them loads"):
+        resume.choose(make_job(), tmp_path)
