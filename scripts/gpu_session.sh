@@ -2,6 +2,8 @@
 # Checks to run through the device tool, stage by stage, each writing its log to $OUT:
 #   bash scripts/gpu_session.sh debug train fault evaluate drafter   (~8 min on nvidia-h200-x2)
 #   bash scripts/gpu_session.sh bench                                (~8 min)
+#   bash scripts/gpu_session.sh stages gpu-tests   then   mix-e2e    (packed vs padded, issue 12; x2 for mix-e2e)
+#   bash scripts/gpu_session.sh shapes                               (Llama-3-8B, Qwen3.5-35B-A3B target rows)
 # On nvidia-h200-x8 (issue 8: the original incident's 8-GPU shape, a Qwen3-27B-shaped target), two calls
 # while the machine stays warm (the second reuses /tmp/b27's compile cache):
 #   bash scripts/gpu_session.sh incident                             (stage rates, 8-GPU split advice)
@@ -41,9 +43,18 @@ for s in "$@"; do case $s in
               evaluate.output="$OUT/evaluate.json" ;;
   bench) stage bench timeout $(left 580) python3 -m launcher.bench --out "$OUT/bench.json" ${BENCH_ARGS:-} ;;
   drafter) stage drafter timeout $(left 400) python3 -m launcher.bench --skip-target --skip-e2e \
-             --skip-baseline --seq 4096 --profile --out "$OUT/drafter.json" ${BENCH_ARGS:-} ;;
+             --skip-baseline --no-mix --seq 4096 --profile --out "$OUT/drafter.json" ${BENCH_ARGS:-} ;;
+  stages) stage stages timeout $(left 400) python3 -m launcher.bench --seq 4096 --skip-e2e --skip-baseline \
+            --skip-full-forward --work-dir /tmp/bm --out "$OUT/stages.json" ${BENCH_ARGS:-} ;;
+  mix-e2e) stage mix_e2e timeout $(left 580) python3 -m launcher.bench --mix-only --seq 4096 --skip-target \
+             --skip-drafter --stage-rates "${STAGE_RATES:-/tmp/bm/stages.json}" --work-dir /tmp/bm \
+             --e2e-timeout 270 --out "$OUT/mix_e2e.json" ;;
+  shapes) for shape in llama3-8b qwen3.5-35b-a3b; do stage "shape_$shape" timeout $(left 280) python3 -m launcher.bench \
+            --shape $shape --seq 4096 --no-mix --skip-e2e --skip-baseline --skip-full-forward --warmup 2 \
+            --steps 4 --out "$OUT/shape_$shape.json"; done ;;
+  gpu-tests) stage gpu_tests timeout $(left 400) python3 -m pytest -q -s -p no:cacheprovider -m gpu tests ;;
   incident) stage incident timeout $(left 580) python3 -m launcher.bench --shape qwen3-27b --seq 4096 \
-              --skip-e2e --skip-baseline --e2e-topology t5d3 --work-dir /tmp/b27 --out "$OUT/incident.json" ;;
+              --no-mix --skip-e2e --skip-baseline --e2e-topology t5d3 --work-dir /tmp/b27 --out "$OUT/incident.json" ;;
   incident-e2e) stage "incident_${TOPO:-t5d3}" timeout $(left 580) python3 -m launcher.bench --shape qwen3-27b \
                   --seq 4096 --skip-target --skip-drafter --skip-baseline --e2e-topology "${TOPO:-t5d3}" \
                   --e2e-steps 200 --e2e-timeout 570 --work-dir /tmp/b27 --out "$OUT/incident_${TOPO:-t5d3}.json" ;;

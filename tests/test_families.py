@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from dflash_core.families import FAMILIES, TargetError, family_of, packing_supported
+from dflash_core.families import FAMILIES, TargetError, family_of, num_layers_of, packing_supported, text_config
 from dflash_core.model import DrafterConfig, default_target_layer_ids
 from dflash_core.target import load_target
 from dflash_core.tiny import TINY_SHAPES, build_tiny_target
@@ -232,6 +232,12 @@ def test_twenty_steps_train_on_each_family(tmp_path, family):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 20
     assert math.isfinite(summary["first_loss"]) and summary["last_loss"] < summary["first_loss"], summary
+    # The export serving engines read: the target's layer count and vocabulary, ids short of its last layer.
+    target_config = AutoConfig.from_pretrained(target_dir)
+    exported = json.loads((run_dir / "export" / "config.json").read_text())
+    num_layers, vocab = num_layers_of(target_config), text_config(target_config).vocab_size
+    assert exported["num_target_layers"] == num_layers and exported["vocab_size"] == vocab
+    assert max(exported["dflash_config"]["target_layer_ids"]) < num_layers - 1
 
 
 # ----------------------------------------------------------------------------- tensor parallel

@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -348,9 +349,28 @@ def _baseline_spec(args, dcfg, target_dir: Path, cfg, num_gpus: int, cuda: bool)
             "seed": 0, "lr": float(cfg.optim.lr)}
 
 
+def _answer_flags(argv: list[str]) -> list[str]:
+    """The flags every command shares (launcher/cli.py): `--cfg job|all` prints the resolved
+    benchmark options and the training overrides its drafter and end-to-end rows use, `--info`
+    where they come from; both exit 0. `--help` is argparse's (every option, its default)."""
+    import yaml
+    if "--info" in argv:
+        print("options: this command line over the defaults of launcher/bench/__main__.py (--help lists them); "
+              "training overrides (--set): conf/ and launcher/config/schema.py, as for launcher.train")
+        raise SystemExit(0)
+    if "--cfg" in argv:
+        at = argv.index("--cfg")
+        if at + 1 >= len(argv) or argv[at + 1] not in ("job", "all"):
+            raise SystemExit("launcher.bench: --cfg takes job or all")
+        args = parse_args(argv[:at] + argv[at + 2:])
+        print(yaml.safe_dump({k: v for k, v in vars(args).items()}, sort_keys=True), end="")
+        raise SystemExit(0)
+    return argv
+
+
 def main(argv=None) -> None:
     from launcher.config import ConfigError
-    args = parse_args(argv)
+    args = parse_args(_answer_flags(sys.argv[1:] if argv is None else list(argv)))
     out = Path(args.out) if args.out else default_out()
     try:
         report = run(args)

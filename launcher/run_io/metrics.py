@@ -42,12 +42,14 @@ class TensorBoardTracker:
 
 
 class MlflowTracker:
-    """A local file store in the run dir unless MLFLOW_TRACKING_URI points elsewhere."""
+    """A local file store in the run dir (no server, no database) unless MLFLOW_TRACKING_URI points
+    elsewhere. MLflow 3 keeps that store only behind an explicit opt-in, given here."""
 
     def __init__(self, run_dir: Path, cfg: DictConfig):
         import mlflow
         self.mlflow = mlflow
         if "MLFLOW_TRACKING_URI" not in os.environ:
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             mlflow.set_tracking_uri((run_dir / "mlruns").resolve().as_uri())
         mlflow.set_experiment(cfg.metrics.project)
         mlflow.start_run(run_name=run_dir.name)
