@@ -76,8 +76,10 @@ def _warm_up(ctx: Context, target: CapturingTarget) -> None:
     started = time.perf_counter()
     rows, length = ctx.cfg.train.micro_batch_size, ctx.cfg.data.fixed_length
     ids = torch.zeros(rows, length, dtype=torch.long, device=ctx.device)
-    half = torch.arange(length, device=ctx.device) % max(1, length // 2)   # two documents per row
-    for positions in ([None, half.expand(rows, -1)] if ctx.job.packing else [None]):
+    # Inputs of the stream's own kinds, strides included (compiled code guards on them): two
+    # documents per packed training row, a contiguous [rows, length] tensor like the channel's.
+    half = (torch.arange(length, device=ctx.device) % max(1, length // 2)).repeat(rows, 1)
+    for positions in ([None, half] if ctx.job.packing else [None]):
         target.capture(ids, position_ids=positions)
     log.info("target warm-up compiled the capture for [%d, %d] in %.1fs", rows, length, time.perf_counter() - started)
 

@@ -121,7 +121,8 @@ class DrafterTrainer:
         ids = torch.randint(0, self.dcfg.mask_token_id, (rows, seq_len), generator=generator, device=self.device)
         hidden = torch.randn(rows, seq_len, self.dcfg.num_features * self.dcfg.hidden_size, generator=generator,
                              device=self.device).to(HIDDEN_DTYPE)
-        batch = FeatureBatch(0, ids, torch.ones_like(ids), torch.arange(seq_len, device=self.device).expand(rows, -1),
+        # Inputs of the stream's kinds, strides included (compiled code guards on them).
+        batch = FeatureBatch(0, ids, torch.ones_like(ids), torch.arange(seq_len, device=self.device).repeat(rows, 1),
                              hidden, ids.numel())
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             with self.model.no_sync(), self.autocast():
