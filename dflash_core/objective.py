@@ -269,9 +269,11 @@ def evaluate_tau(drafter, head, input_ids, loss_mask, hidden, *, position_ids=No
     totals = StepCounts.zeros(getattr(drafter, "module", drafter).config.block_size, input_ids.device)
     for start in range(0, anchors.shape[1], num_anchors):
         part = slice(start, start + num_anchors)
-        # Contiguous chunks: a slice's strides depend on this batch's anchor count, and compiled
+        # Freshly laid-out chunks: a slice's strides depend on this batch's anchor count, and compiled
         # code (flex masks, compiled layers) guards on them, so slices would recompile per batch.
-        chunk_anchors, chunk_keep = anchors[:, part].contiguous(), keep[:, part].contiguous()
+        # (.contiguous() is not enough: it keeps the stride of a size-1 dimension.)
+        chunk_anchors, chunk_keep = (t[:, part].clone(memory_format=torch.contiguous_format)
+                                     for t in (anchors, keep))
         loss_sum, weight_sum, correct, weights = _run_blocks(
             drafter, head, input_ids, loss_mask, position_ids, hidden, chunk_anchors, chunk_keep,
             loss_type="dflash", gamma=None, alpha=0.0, backend=backend, chunk_blocks=chunk_blocks,

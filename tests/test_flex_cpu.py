@@ -127,18 +127,22 @@ def test_flex_returns_zero_for_rows_without_keys(compiles_before):
 def test_evaluation_recompiles_nothing_across_batches(drafter):
     """Held-out batches with different numbers of valid anchors, and packed rows, reuse the
     compiled layer (flex inside): the anchor chunks must not reach the graph as slices with
-    batch-dependent strides, and document ids are data, not shape."""
+    batch-dependent strides, and document ids are data, not shape. Also with one row (micro-batch
+    1), whose size-1 dimension kept a slice's stride through .contiguous() (an H200 e2e run
+    recompiled at its first held-out evaluation)."""
     from dflash_core.frozen_head import FrozenTargetHead
     from dflash_core.objective import evaluate_tau
     head = FrozenTargetHead.random(50, HIDDEN, seed=0)
     gen = torch.Generator().manual_seed(0)
     counts = []
-    # All positions, then half (fewer anchor chunks), then packed rows.
-    for supervised, position_ids in ((S, None), (S // 2, None), (S, PACKED)):
-        ids = torch.randint(0, 49, (B, S), generator=gen)
-        mask = (torch.arange(S) < supervised).long().expand(B, -1)
-        features = torch.randn(B, S, 2 * HIDDEN, generator=gen)
-        evaluate_tau(drafter, head, ids, mask, features, position_ids=position_ids, backend="flex",
-                     num_anchors=N, chunk_blocks=N, compiled=True)
-        counts.append(compile_count("drafter_layer"))
-    assert counts[2] == counts[1] == counts[0] > 0
+    # All positions, then few (padded anchor chunks), then packed rows; two rows, then one.
+    for rows in (B, 1):
+        for supervised, position_ids in ((S, None), (N // 2, None), (S, PACKED)):
+            ids = torch.randint(0, 49, (rows, S), generator=gen)
+            mask = (torch.arange(S) < supervised).long().expand(rows, -1)
+            features = torch.randn(rows, S, 2 * HIDDEN, generator=gen)
+            evaluate_tau(drafter, head, ids, mask, features, position_ids=None if position_ids is None
+                         else position_ids[:rows], backend="flex", num_anchors=N, chunk_blocks=N, compiled=True)
+            counts.append(compile_count("drafter_layer"))
+    assert counts[0] > 0 and counts[2] == counts[1] == counts[0]   # two rows: one graph
+    assert counts[5] == counts[4] == counts[3]                      # one row: one more, once
