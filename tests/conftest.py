@@ -37,3 +37,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dflash_logger():
+    """Commands run in-process (run_main) set up the `dflash` logger for a console: handlers bound to
+    that test's captured stderr, no propagation. Restore it after each test, so caplog sees records
+    and no handler writes to a closed stream."""
+    import logging
+    logger = logging.getLogger("dflash")
+    handlers, propagate, level = list(logger.handlers), logger.propagate, logger.level
+    yield
+    logger.handlers[:] = handlers
+    logger.propagate, logger.level = propagate, level
