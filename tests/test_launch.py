@@ -20,8 +20,8 @@ def test_t1d2_end_to_end(tmp_path, tiny_target_dir):
     proc = torchrun(3, "topology=t1d2", f"run.dir={run_dir}", "train.steps=8", "train.eval_every=4", "run.log_every=2",
                     *tiny_overrides(tmp_path, tiny_target_dir))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    for name in ("config.yaml", "metrics.jsonl", "summary.json", "logs/target0.log", "logs/drafter1.log",
-                 "logs/drafter2.log", "checkpoints/latest", "checkpoints/step_00000008/state.pt",
+    for name in ("config.yaml", "provenance.json", "metrics.jsonl", "summary.json", "logs/target0.log",
+                 "logs/drafter1.log", "logs/drafter2.log", "checkpoints/latest", "checkpoints/step_00000008/state.pt",
                  "export/config.json", "export/model.safetensors"):
         assert (run_dir / name).exists(), name
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -32,6 +32,12 @@ def test_t1d2_end_to_end(tmp_path, tiny_target_dir):
             "eval/tau", "summary/target_idle_fraction", "summary/drafter_idle_fraction",
             "summary/target0_tokens_per_s"} <= tags, tags
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    provenance = json.loads((run_dir / "provenance.json").read_text())
+    assert provenance["overrides"][0] == "topology=t1d2" and "launcher.train" in provenance["command"]
+    assert provenance["code"]["git_commit"] and provenance["versions"]["torch"]
+    assert [r["role"] for r in provenance["ranks"]] == ["target", "drafter", "drafter"]
+    card = (run_dir / "export" / "README.md").read_text()
+    assert "held-out tau" in card.lower() and provenance["code"]["git_commit"][:7] in card
 
     # Every micro-batch a target produced was consumed exactly once, in order, by its scheduled drafter.
     sent = _seqs(run_dir, "sent")
