@@ -61,8 +61,15 @@ def this_rank(rank: int, role: str, device) -> dict:
             "local_rank": int(os.environ.get("LOCAL_RANK", 0)), "device": str(device)}
 
 
+def _command() -> str:
+    """This process's command line, a module run spelled `-m module` as it was typed."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    entry = ["-m", spec.name] if spec is not None and spec.name else sys.argv[:1]
+    return shlex.join([sys.executable, *entry, *sys.argv[1:]])
+
+
 def provenance(overrides: list[str], layout: list[dict]) -> dict:
-    return {"command": shlex.join([sys.executable, *sys.argv]), "launcher_command": _launcher_command(),
+    return {"command": _command(), "launcher_command": _launcher_command(),
             "overrides": list(overrides), "code": code_version(), "versions": library_versions(),
             "hosts": sorted({r["host"] for r in layout}), "ranks": layout}
 
