@@ -258,7 +258,8 @@ def test_evaluate_tau_counts_misses():
 
 @pytest.mark.parametrize("loss_type", ["dflash", "dpace"])
 def test_fused_head_loss_matches_plain_autograd(loss_type):
-    """The gradient formed in the forward pass equals autograd through the logits."""
+    """The gradient formed in the forward pass equals autograd through the logits (5 blocks in
+    chunks of 2: a ragged last chunk)."""
     from dflash_core.objective import _chunk_loss, _FusedHeadLoss
     generator = torch.Generator().manual_seed(0)
     h = torch.randn(2, 5, 4, HIDDEN, dtype=torch.float64, generator=generator, requires_grad=True)
@@ -266,7 +267,7 @@ def test_fused_head_loss_matches_plain_autograd(loss_type):
     labels = torch.randint(0, VOCAB, (2, 5, 4), generator=generator)
     weights = (torch.rand(2, 5, 4, generator=generator) > 0.3).double()
     weights[..., 0] = 0
-    fused = _FusedHeadLoss.apply(h, head.lm_head_weight, labels, weights, loss_type, 4.0, 0.5, False)
+    fused = _FusedHeadLoss.apply(h, head.lm_head_weight, labels, weights, 2, loss_type, 4.0, 0.5, False)
     plain = _chunk_loss(h, labels, weights, head, loss_type, 4.0, 0.5)
     # An upstream gradient other than 1 checks that backward scales the saved gradient.
     (grad_fused,), (grad_plain,) = (torch.autograd.grad(out[0] * 3.0, h) for out in (fused, plain))

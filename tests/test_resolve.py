@@ -33,18 +33,3 @@ def test_when_the_target_compiles(overrides, device, family_config, compiled):
 def test_a_compiled_recurrent_target_is_refused():
     with pytest.raises(ConfigError, match="target.compile=True: not for the qwen3_5"):
         compile_plan(compose_config(["target.compile=true"]), "flex", torch.device("cpu"), Qwen3_5TextConfig())
-
-
-@pytest.mark.parametrize("scale,max_norm", [(0.5, 1.0), (3.0, 1.0), (3.0, 100.0)])
-def test_scaling_and_clipping_in_one_pass_equals_two(scale, max_norm):
-    from launcher.roles.trainer import scale_and_clip_
-    gen = torch.Generator().manual_seed(0)
-    grads = [torch.randn(7, 5, generator=gen), torch.randn(11, generator=gen)]
-    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
-    for param, grad in zip(params, grads):
-        param.grad = grad * scale
-    want_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    got = [g.clone() for g in grads]
-    assert scale_and_clip_(got, scale, max_norm) == pytest.approx(float(want_norm), rel=1e-6)
-    for g, param in zip(got, params):
-        torch.testing.assert_close(g, param.grad, rtol=1e-6, atol=1e-7)

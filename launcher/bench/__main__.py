@@ -96,8 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="hydra override for the drafter-alone and end-to-end rows (repeatable), "
                         "e.g. --set drafter.compile=false")
     p.add_argument("--profile", action="store_true",
-                   help="profile two drafter steps (the longest full row, else the last mix mode): kernel table "
-                        "and compile times")
+                   help="profile two drafter steps (the longest full row, else the last mix mode): kernel table, "
+                        "time per kernel category, compile times, and a Chrome trace beside --out (.trace.json.gz)")
     p.add_argument("--skip-target", action="store_true")
     p.add_argument("--skip-drafter", action="store_true")
     p.add_argument("--skip-e2e", action="store_true")
@@ -196,7 +196,7 @@ def _workloads(args, job, work: Path, meta: dict) -> tuple[list[Workload], list[
                                pad_token_id=pad, num_anchors=args.anchors)
             mixes.append(mix_workload(rows, args.mix_seq))
     if args.profile and (full or mixes):
-        (full or mixes)[-1].profile = True
+        (full or mixes)[-1].profile = str(Path(args.out).with_suffix(".trace.json.gz"))
     return full, mixes
 
 

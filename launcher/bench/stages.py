@@ -16,6 +16,7 @@ import torch
 
 from launcher.bench.ceiling import rate_fields, sync
 from launcher.bench.counts import documents_of, drafter_step_flops, target_forward_flops
+from launcher.bench.profiling import profile_steps
 from launcher.bench.report import fmt
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,7 +39,7 @@ class Workload:
     real_tokens: list[int]            # non-padding tokens per micro-batch
     packed: bool                      # the target captures per document (the launcher passes positions)
     extra: dict = field(default_factory=dict)   # copied into the row: mode, epoch padding and anchor fill
-    profile: bool = False             # --profile: two more drafter steps under torch.profiler
+    profile: str | None = None        # --profile: two more drafter steps under torch.profiler, trace path
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -243,7 +244,8 @@ def _drafter_workload(stepper: _Stepper, job, workload: Workload, gen, *, warmup
     row = _drafter_row(job, workload, timed, ceiling, params=params, warm_s=warm_s,
                        compiles=(before, warm, compile_count()), report=report())
     if workload.profile:
-        row["profile"] = _profile(lambda: stepper(0), device)
+        row["profile"] = profile_steps(lambda: stepper(0), device, sync, step_ms=row["ms_per_step"],
+                                       trace=workload.profile)
     return row
 
 
@@ -270,22 +272,6 @@ def _drafter_row(job, workload: Workload, timed, ceiling, *, params: int, warm_s
     progress(f"{row['row']} S={workload.seq_len}: {row['ms_per_step']:.1f} ms/step, {row['tokens_per_s']:.0f} real "
              f"tokens/s, {row['tflops']:.1f} TFLOP/s, MFU {fmt(row['mfu'], '.2f')}, {row['notes']}")
     return row
-
-
-def _profile(step, device: torch.device, steps: int = 2) -> dict:
-    from torch._dynamo.utils import compile_times
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            step()
-        sync(device)
-    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    table = prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70)
-    times = compile_times(repr="str", aggregate=True)
-    print(f"profile of {steps} drafter steps (sorted by {sort}):\n{table}\ncompile times:\n{times}", flush=True)
-    return {"steps": steps, "table": table, "compile_times": times}
 
 
 # ------------------------------------------------------------------------------ subprocesses
