@@ -63,12 +63,7 @@ class DrafterTrainer:
                                                 device=self.device, dtype=self.amp_dtype)
         else:
             self.head = FrozenTargetHead.from_target_dir(job.target.path, device=self.device, dtype=self.amp_dtype)
-        # Gradients as views of DDP's buckets: without it every step copies the 4 GB of fp32
-        # gradients (8B shape) into the buckets and back around the all-reduce.
-        self.model = DistributedDataParallel(
-            self.drafter, process_group=group, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            gradient_as_bucket_view=True)
-        self.model.register_comm_hook(group, _sum_gradients)
+        self.model = self._data_parallel(self.drafter, group)
         o = cfg.optim
         # Fused on every device: its one kernel also applies the step's gradient multiplier (_update).
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
@@ -76,6 +71,22 @@ class DrafterTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_multiplier(o, cfg.train.steps))
         self.step_kwargs = dataclasses.asdict(job.step)
         self.tokens_seen = 0   # context tokens trained on by every drafter rank, over the whole lineage
+
+    def _data_parallel(self, drafter: DFlashDrafter, group: dist.ProcessGroup):
+        """DDP over the drafter ranks; the drafter itself when it is the only one (DDP would still
+        copy every gradient into its buckets, ~2 ms of an 8B-shaped step on H200, to reduce nothing)."""
+        if dist.get_world_size(group) == 1:
+            return drafter
+        # Gradients as views of DDP's buckets: without it every step also copies the 4 GB of fp32
+        # gradients (8B shape) back out of the buckets after the all-reduce.
+        ddp = DistributedDataParallel(drafter, process_group=group, gradient_as_bucket_view=True,
+                                      device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        ddp.register_comm_hook(group, _sum_gradients)
+        return ddp
+
+    def _no_sync(self):
+        """No gradient all-reduce for this backward (all but the last accumulation step)."""
+        return self.model.no_sync() if isinstance(self.model, DistributedDataParallel) else contextlib.nullcontext()
 
     def autocast(self):
         if self.device.type == "cuda":
@@ -102,7 +113,7 @@ class DrafterTrainer:
         counts = StepCounts.zeros(self.dcfg.block_size, self.device)
         for a, batch in enumerate(batches):
             last = a == len(batches) - 1
-            with (contextlib.nullcontext() if last else self.model.no_sync()), self.autocast():
+            with (contextlib.nullcontext() if last else self._no_sync()), self.autocast():
                 out = drafter_step(self.model, self.head, batch.input_ids, batch.loss_mask, batch.hidden,
                                    position_ids=batch.position_ids,
                                    generator=anchor_generator(self.device, self.job.cfg.run.seed, batch.index),
@@ -145,7 +156,7 @@ class DrafterTrainer:
         batch = FeatureBatch(0, ids, torch.ones_like(ids), torch.arange(seq_len, device=self.device).repeat(rows, 1),
                              hidden, ids.numel())
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            with self.model.no_sync(), self.autocast():
+            with self._no_sync(), self.autocast():
                 out = drafter_step(self.model, self.head, batch.input_ids, batch.loss_mask, batch.hidden,
                                    position_ids=batch.position_ids, generator=generator, **self.step_kwargs)
                 out.loss_sum.backward()
