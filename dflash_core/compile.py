@@ -22,11 +22,16 @@ class CompiledFunction:
 
     def __init__(self, name: str, fn):
         self.name = name
-        self._compiled = torch.compile(fn, dynamic=False)
+        self._fn = fn
+        self._compiled = None
         self.graphs = 0
         self.seconds = 0.0
 
     def __call__(self, *args, **kwargs):
+        if self._compiled is None:
+            # Wrapped on first use: torch.compile imports inductor (~0.7 s), which a process that
+            # never compiles (a CPU target, a drafter without a static shape) need not pay.
+            self._compiled = torch.compile(self._fn, dynamic=False)
         before = counters["stats"]["unique_graphs"]
         start = time.perf_counter()
         out = self._compiled(*args, **kwargs)
