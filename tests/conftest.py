@@ -2,6 +2,7 @@
 is built once and kept under .cache/test-tiny/<key>: the key hashes what determines its bytes (the
 builder's source, the bundled data, the seed, the library versions), so a change to any of them
 builds a fresh one and an unchanged tree reuses it across test sessions."""
+import fcntl
 import hashlib
 from pathlib import Path
 
@@ -26,7 +27,12 @@ def _tiny_key(seed: int = 0) -> str:
 @pytest.fixture(scope="session")
 def tiny_target_dir():
     """Directory of the tiny locally built Qwen3 target (tokenizer + briefly pretrained weights)."""
-    return tiny.build_tiny_target(REPO / ".cache" / "test-tiny" / _tiny_key())
+    out_dir = REPO / ".cache" / "test-tiny" / _tiny_key()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Parallel workers (pytest -n) build it once: the others wait here, then find it complete.
+    with open(out_dir.with_name(f"{out_dir.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return tiny.build_tiny_target(out_dir)
 
 
 @pytest.fixture(scope="module")
