@@ -4,6 +4,7 @@ builder's source, the bundled data, the seed, the library versions), so a change
 builds a fresh one and an unchanged tree reuses it across test sessions."""
 import fcntl
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,17 @@ import transformers
 
 import dflash_core.tiny as tiny
 from tests.launching import REPO
+
+
+def pytest_configure(config):
+    """pytest -n N (xdist): the workers share the cores. Each gets its part of them as OpenMP threads,
+    and a waiting OpenMP thread sleeps rather than spins on a core another worker needs (the overfit
+    test took 9 s instead of 3 beside a busy core). The workers start after this, inherit the
+    environment, and their torch reads it when it loads OpenMP."""
+    workers = getattr(config.option, "numprocesses", None)
+    if workers and workers > 1 and "PYTEST_XDIST_WORKER" not in os.environ:
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // workers)))
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _tiny_key(seed: int = 0) -> str:
