@@ -16,17 +16,6 @@ import dflash_core.tiny as tiny
 from tests.launching import REPO
 
 
-def pytest_configure(config):
-    """pytest -n N (xdist): the workers share the cores. Each gets its part of them as OpenMP threads,
-    and a waiting OpenMP thread sleeps rather than spins on a core another worker needs (the overfit
-    test took 9 s instead of 3 beside a busy core). The workers start after this, inherit the
-    environment, and their torch reads it when it loads OpenMP."""
-    workers = getattr(config.option, "numprocesses", None)
-    if workers and workers > 1 and "PYTEST_XDIST_WORKER" not in os.environ:
-        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // workers)))
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
 def _tiny_key(seed: int = 0) -> str:
     digest = hashlib.sha256()
     sources = [Path(tiny.__file__), tiny.BUNDLED_DATASET, *sorted((REPO / "dflash_core" / "data").glob("*.py"))]
@@ -36,15 +25,30 @@ def _tiny_key(seed: int = 0) -> str:
     return digest.hexdigest()[:16]
 
 
-@pytest.fixture(scope="session")
-def tiny_target_dir():
-    """Directory of the tiny locally built Qwen3 target (tokenizer + briefly pretrained weights)."""
+def _build_tiny_target() -> Path:
     out_dir = REPO / ".cache" / "test-tiny" / _tiny_key()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    # Parallel workers (pytest -n) build it once: the others wait here, then find it complete.
+    # One build at a time: a concurrent session waits here, then finds it complete.
     with open(out_dir.with_name(f"{out_dir.name}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return tiny.build_tiny_target(out_dir)
+
+
+def pytest_configure(config):
+    """pytest -n N (xdist): before the workers start, build the tiny target here with every core
+    (in a worker it is built beside the other worker's tests, or keeps it waiting idle). Then the
+    workers share the cores: each gets its part of them as OpenMP threads (two threads per worker
+    made the overfit test 9 s instead of 3 beside a busy core); they inherit the environment."""
+    workers = getattr(config.option, "numprocesses", None)
+    if workers and workers > 1 and "PYTEST_XDIST_WORKER" not in os.environ:
+        _build_tiny_target()
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // workers)))
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir():
+    """Directory of the tiny locally built Qwen3 target (tokenizer + briefly pretrained weights)."""
+    return _build_tiny_target()
 
 
 @pytest.fixture(scope="module")
