@@ -49,8 +49,11 @@ train-node: install
 	  --rdzv-backend c10d --rdzv-endpoint $(MASTER):$(PORT) --rdzv-id $(RDZV_ID) -m launcher.train \
 	  topology=$(TOPOLOGY) run.dir=$(NODE_RUN_DIR) $(EMBEDDED) $(ARGS)"; echo "$$cmd"; eval "$$cmd"
 
+# Two pytest workers (pytest-xdist): a launch leaves cores idle while its processes start and wait,
+# and the other worker fills them. TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
 test: install
-	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # The benchmark: matmul ceiling, full-row rows and length-mix rows (padded and packed) side by side;
 # e.g. ARGS="--mix-only --seq 4096" or ARGS="--shape llama3-8b --no-mix" (docs/perf_notes.md, How to measure).

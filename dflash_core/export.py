@@ -26,9 +26,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from . import hf_model
 from .finite import check_finite
-from .hf_model import drafter_config_from_dict
 from .model import DFlashDrafter
 from .model_card import CARD_NAME, write_model_card
 
@@ -96,7 +94,7 @@ def shipped_sources():
     relatively, found by transformers' own rule for the files remote code needs."""
     from transformers.dynamic_module_utils import get_relative_import_files
 
-    wrapper = Path(hf_model.__file__)
+    wrapper = Path(__file__).with_name("hf_model.py")
     files = {MODELING_NAME: wrapper}
     files.update((Path(source).name, Path(source)) for source in get_relative_import_files(str(wrapper)))
     return files
@@ -203,6 +201,9 @@ def _check_keys(found, expected, where):
 
 def load_exported(path, *, device=None, dtype=torch.float32):
     """Load an exported drafter; any missing or unexpected tensor name is an error."""
+    # Imported here: hf_model pulls in transformers' modeling code (~0.5 s), which a process that
+    # only writes exports (every training drafter) never needs.
+    from .hf_model import drafter_config_from_dict
     path = Path(path)
     cfg = drafter_config_from_dict(json.loads((path / CONFIG_NAME).read_text()))
     with safe_open(str(path / WEIGHTS_NAME), framework="pt") as f:

@@ -2,7 +2,9 @@
 is built once and kept under .cache/test-tiny/<key>: the key hashes what determines its bytes (the
 builder's source, the bundled data, the seed, the library versions), so a change to any of them
 builds a fresh one and an unchanged tree reuses it across test sessions."""
+import fcntl
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
@@ -23,10 +25,30 @@ def _tiny_key(seed: int = 0) -> str:
     return digest.hexdigest()[:16]
 
 
+def _build_tiny_target() -> Path:
+    out_dir = REPO / ".cache" / "test-tiny" / _tiny_key()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # One build at a time: a concurrent session waits here, then finds it complete.
+    with open(out_dir.with_name(f"{out_dir.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return tiny.build_tiny_target(out_dir)
+
+
+def pytest_configure(config):
+    """pytest -n N (xdist): before the workers start, build the tiny target here with every core
+    (in a worker it is built beside the other worker's tests, or keeps it waiting idle). Then the
+    workers share the cores: each gets its part of them as OpenMP threads (two threads per worker
+    made the overfit test 9 s instead of 3 beside a busy core); they inherit the environment."""
+    workers = getattr(config.option, "numprocesses", None)
+    if workers and workers > 1 and "PYTEST_XDIST_WORKER" not in os.environ:
+        _build_tiny_target()
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // workers)))
+
+
 @pytest.fixture(scope="session")
 def tiny_target_dir():
     """Directory of the tiny locally built Qwen3 target (tokenizer + briefly pretrained weights)."""
-    return tiny.build_tiny_target(REPO / ".cache" / "test-tiny" / _tiny_key())
+    return _build_tiny_target()
 
 
 @pytest.fixture(scope="module")

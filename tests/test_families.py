@@ -1,6 +1,7 @@
 """Every supported target family on a tiny random model of its own: truncated loading, capture
 equal to output_hidden_states, packed rows equal to documents forwarded alone, the drafter
-config derived from the target, and a 2-rank tensor-parallel unit equal to the unsharded one.
+config derived from the target, and 2-rank tensor-parallel units equal to the unsharded targets
+(every family's and the embedded tiny target, in one job).
 
 This file is also the worker script of the tensor-parallel test (`__main__` below).
 """
@@ -221,10 +222,11 @@ def test_unsupported_family_is_named(tmp_path):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("family", [family for family in FAMILIES if family != "qwen3"])  # qwen3: test_launch
 def test_twenty_steps_train_on_each_family(tmp_path, family):
-    """`target=tiny_<family>` builds its target on first use and the real launcher trains on it."""
+    """`target=tiny_<family>` builds its target on first use and the real launcher trains on it
+    (one drafter: what depends on the family is the target's side; test_launch trains two)."""
 
     run_dir, target_dir = tmp_path / "run", tmp_path / "target"
-    proc = torchrun(3, "topology=t1d2", f"target=tiny_{family}", f"target.path={target_dir}", "train.steps=20",
+    proc = torchrun(2, "topology=t1d1", f"target=tiny_{family}", f"target.path={target_dir}", "train.steps=20",
                     "train.eval_every=0", "optim.lr=3e-3", f"run.dir={run_dir}", f"data.cache_dir={tmp_path / 'tok'}",
                     "run.progress=false")
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -241,39 +243,57 @@ def test_twenty_steps_train_on_each_family(tmp_path, family):
 
 
 # ----------------------------------------------------------------------------- tensor parallel
+TINY_LAYER_IDS = [0, 2, 3]  # 3 is the last layer: captured after the final norm, which stays replicated
+TINY_TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}  # fp32; measured max |diff| ~2e-6 on values up to ~4
+
+
 @pytest.mark.multiproc
-def test_tensor_parallel_units_equal_the_unsharded_targets(tmp_path, family_dirs):
-    """One 2-rank gloo job shards every family in turn; qwen3_5 also captures a packed row."""
-    proc = torchrun(2, __file__, str(tmp_path), *(f"{family}={path}" for family, path in family_dirs.items()),
-                    module=None)
+def test_tensor_parallel_units_equal_the_unsharded_targets(tmp_path, tiny_target_dir, family_dirs):
+    """One 3-rank gloo job: ranks 0-1 form a unit (rank 2 stays out of the mesh, like a drafter) and
+    shard the embedded tiny target, then every family in turn; qwen3_5 also captures a packed row."""
+    proc = torchrun(3, __file__, str(tmp_path), str(tiny_target_dir),
+                    *(f"{family}={path}" for family, path in family_dirs.items()), module=None)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert not list(tmp_path.glob("*.rank2.pt"))
+
+    reference = load_target(tiny_target_dir, layer_ids=TINY_LAYER_IDS, dtype=torch.float32).capture(_input_ids())
+    rank0, rank1 = (torch.load(tmp_path / f"tiny.rank{rank}.pt") for rank in (0, 1))
+    assert rank0.shape == reference.shape == (2, SEQ_LEN, 128 * len(TINY_LAYER_IDS))
+    torch.testing.assert_close(rank0, reference, **TINY_TOLERANCE)
+    assert torch.equal(rank0, rank1)  # the all-reduce leaves every rank of the unit the same replica
     for family, path in family_dirs.items():
         reference = load_target(path, layer_ids=LAYER_IDS, dtype=torch.float32)
         rank0, rank1 = (torch.load(tmp_path / f"{family}.rank{rank}.pt") for rank in (0, 1))
         torch.testing.assert_close(rank0["plain"], reference.capture(_input_ids()), **TOLERANCE)
         torch.testing.assert_close(rank0["packed"], reference.capture(_input_ids(1), _packed_position_ids()),
                                    **TOLERANCE)
-        assert torch.equal(rank0["plain"], rank1["plain"])  # every rank of the unit holds the same replica
+        assert torch.equal(rank0["plain"], rank1["plain"])
     assert "stay whole on every rank" in proc.stderr and "mlp.experts" in proc.stderr
 
 
-def _tensor_parallel_worker(out_dir: str, *family_paths: str) -> None:
+def _tensor_parallel_worker(out_dir: str, tiny_dir: str, *family_paths: str) -> None:
     import logging
     from datetime import timedelta
 
     import torch.distributed as dist
 
     from launcher.distributed.tensor_parallel import shard_target
+    from launcher.distributed.topology import Topology, build_groups
     logging.basicConfig(level=logging.INFO)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank = dist.get_rank()
-    for entry in family_paths:
-        family, path = entry.split("=", 1)
-        target = load_target(path, layer_ids=LAYER_IDS, dtype=torch.float32)
-        shard_target(target, dist.group.WORLD, torch.device("cpu"))
-        captures = {"plain": target.capture(_input_ids()),
-                    "packed": target.capture(_input_ids(1), _packed_position_ids())}
-        torch.save(captures, Path(out_dir) / f"{family}.rank{rank}.pt")
+    groups = build_groups(Topology(num_targets=2, num_drafters=1, tp_size=2), rank, timeout_s=120)
+    if rank < 2:
+        target = load_target(tiny_dir, layer_ids=TINY_LAYER_IDS, dtype=torch.float32)
+        shard_target(target, groups.unit, torch.device("cpu"))
+        torch.save(target.capture(_input_ids()), Path(out_dir) / f"tiny.rank{rank}.pt")
+        for entry in family_paths:
+            family, path = entry.split("=", 1)
+            target = load_target(path, layer_ids=LAYER_IDS, dtype=torch.float32)
+            shard_target(target, groups.unit, torch.device("cpu"))
+            captures = {"plain": target.capture(_input_ids()),
+                        "packed": target.capture(_input_ids(1), _packed_position_ids())}
+            torch.save(captures, Path(out_dir) / f"{family}.rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 

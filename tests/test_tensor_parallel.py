@@ -1,22 +1,11 @@
-"""Tensor-parallel target units: plan mapping, validation, and sharded == unsharded captures.
+"""Tensor-parallel target units: plan mapping, validation, and a t2d1 launch that trains.
 
-The multi-process checks run real torchrun jobs on CPU (gloo). This file is also the worker
-script of the equality test (`__main__` below), so no helper module is needed.
+Sharded == unsharded captures, for the embedded tiny target and every family, are one torchrun
+job in test_families.py.
 """
-import sys
-from pathlib import Path
-
 import pytest
-import torch
 
 from tests.launching import torchrun
-
-LAYER_IDS = [0, 2, 3]  # 3 is the last layer: captured after the final norm, which stays replicated
-TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}  # fp32; measured max |diff| ~2e-6 on values up to ~4
-
-
-def _inputs() -> torch.Tensor:
-    return torch.randint(0, 1000, (2, 40), generator=torch.Generator().manual_seed(0))
 
 
 # ----------------------------------------------------------------------------- single process
@@ -71,21 +60,6 @@ def test_config_validation():
 
 # ----------------------------------------------------------------------------- multi-process
 @pytest.mark.multiproc
-def test_unit_of_two_matches_unsharded_target(tmp_path, tiny_target_dir):
-    """Ranks 0-1 form a unit inside a world of 3 (rank 2 stays out of the mesh, like a drafter)."""
-    proc = torchrun(3, __file__, str(tmp_path), str(tiny_target_dir), module=None, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-
-    from dflash_core.target import load_target
-    reference = load_target(tiny_target_dir, layer_ids=LAYER_IDS, dtype=torch.float32).capture(_inputs())
-    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
-    assert not (tmp_path / "rank2.pt").exists()
-    assert rank0.shape == reference.shape == (2, 40, 128 * len(LAYER_IDS))
-    torch.testing.assert_close(rank0, reference, **TOLERANCE)
-    assert torch.equal(rank0, rank1)  # the all-reduce leaves every rank of the unit the same replica
-
-
-@pytest.mark.multiproc
 def test_t2d1_tensor_parallel_trains(tmp_path, tiny_target_dir):
     run_dir = tmp_path / "run"
     proc = torchrun(3, "topology=t2d1", "target.parallel=tensor", "target.tp_size=2", f"run.dir={run_dir}",
@@ -99,28 +73,3 @@ def test_t2d1_tensor_parallel_trains(tmp_path, tiny_target_dir):
     sent = {rank: [line for line in (run_dir / "seq" / f"rank{rank}.log").read_text().splitlines()
                    if line.startswith("sent")] for rank in (0, 1)}
     assert sent[0] and not sent[1]  # only the unit leader sends; rank 1 computed the same forwards in step
-
-
-# ----------------------------------------------------------------------------- worker
-def _worker(out_dir: str, target_dir: str) -> None:
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from dflash_core.target import load_target
-    from launcher.distributed.tensor_parallel import shard_target
-    from launcher.distributed.topology import Topology, build_groups
-
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    rank = dist.get_rank()
-    groups = build_groups(Topology(num_targets=2, num_drafters=1, tp_size=2), rank, timeout_s=60)
-    if rank < 2:
-        target = load_target(target_dir, layer_ids=LAYER_IDS, dtype=torch.float32)
-        shard_target(target, groups.unit, torch.device("cpu"))
-        torch.save(target.capture(_inputs()), Path(out_dir) / f"rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    _worker(*sys.argv[1:3])

@@ -46,8 +46,8 @@ def test_build_is_idempotent(tiny_target_dir):
 
 def test_build_is_deterministic_per_seed(tmp_path):
     """The same seed gives the same bytes (pretraining included: a few steps show it as well as 300)."""
-    first = build_tiny_target(tmp_path / "first", seed=0, pretrain_steps=20)
-    again = build_tiny_target(tmp_path / "again", seed=0, pretrain_steps=20)
+    first = build_tiny_target(tmp_path / "first", seed=0, pretrain_steps=5)
+    again = build_tiny_target(tmp_path / "again", seed=0, pretrain_steps=5)
     other = build_tiny_target(tmp_path / "other", seed=1, pretrain_steps=0)
     for name in ("tokenizer.json", "config.json", "model.safetensors"):
         assert (again / name).read_bytes() == (first / name).read_bytes(), name
