@@ -27,6 +27,8 @@ $OUT/bench.json or runs/bench-<time>.json).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import json
 import os
 import shutil
@@ -327,14 +329,12 @@ def run(args) -> dict:
 
 
 def _free(device: torch.device) -> None:
-    import gc
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
 def _baseline_spec(args, dcfg, target_dir: Path, cfg, num_gpus: int, cuda: bool) -> dict:
-    import dataclasses
     if not cuda:
         target_device, devices = "cpu", ["cpu", "cpu"]
     elif num_gpus >= 3:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -278,9 +281,6 @@ def _drafter_row(job, workload: Workload, timed, ceiling, *, params: int, warm_s
 def stream(cmd: list[str], *, env: dict, timeout_s: float, prefix: str) -> tuple[int | None, str]:
     """Run cmd, echo its output as it comes (prefixed), return (exit code or None on timeout, tail).
     On timeout the whole process group (torchrun and every worker it started) is killed."""
-    import signal
-    import threading
-
     tail: deque[str] = deque(maxlen=60)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             bufsize=1, start_new_session=True)
@@ -320,8 +320,6 @@ def child_env(*, tiny: bool, **extra) -> dict:
 def e2e_stage(overrides: list[str], *, topology, work: Path, tiny: bool, timeout_s: float, name: str = "e2e") -> dict:
     """The real launcher under torchrun with `topology` (a launcher.distributed.topology.Topology), one process
     per rank, in run dir work/<name>; returns its summary.json."""
-    import shutil
-
     run_dir = work / name
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={topology.world_size}",

@@ -2,6 +2,7 @@
 -> metrics, held-out evaluation, checkpoints -> export."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -36,7 +37,6 @@ def _node_builder(ctx: Context) -> int:
 
 
 def _compile_share(ctx: Context) -> CompileShare:
-    import dataclasses
     job = ctx.job
     device = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
     key = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": device,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import platform
 import shlex
 import socket
@@ -16,7 +17,6 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _launcher_command() -> str | None:
     """The parent's command line (torchrun's, when a worker asks), where /proc tells."""
-    import os
     try:
         raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
     except OSError:
@@ -56,7 +56,6 @@ def library_versions() -> dict:
 
 def this_rank(rank: int, role: str, device) -> dict:
     """One rank's line of the layout (gathered over the control group)."""
-    import os
     return {"rank": rank, "role": role, "host": socket.gethostname(), "pid": os.getpid(),
             "local_rank": int(os.environ.get("LOCAL_RANK", 0)), "device": str(device)}
 
