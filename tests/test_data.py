@@ -382,6 +382,7 @@ def test_packed_rows_hold_whole_samples_back_to_back():
     for i in range(source.num_batches_per_epoch):
         batch = source.batch(i)
         assert batch.input_ids.shape == batch.position_ids.shape == (4, 256)
+        assert batch.num_tokens == sum(len(samples[sid]["input_ids"]) for sids in batch.sample_ids for sid in sids)
         for row, sids in enumerate(batch.sample_ids):
             offset = 0
             for sid in sids:

@@ -19,6 +19,7 @@ class MicroBatch:
     position_ids: torch.Tensor  # LongTensor [B, S]: 0 at every document start; unpacked rows 0..S-1,
     #                             packed rows' end padding a segment of its own starting at 0
     sample_ids: list[tuple[int, ...]]  # per row, the samples it holds in order; () for a filler row
+    num_tokens: int             # the samples' tokens (not padding), counted from their lengths
 
 
 class MicroBatchSource:
@@ -162,7 +163,7 @@ class MicroBatchSource:
             if self.packing:
                 position_ids[r, offset:] = torch.arange(length - offset)
         return MicroBatch(index=i, input_ids=input_ids, loss_mask=loss_mask, position_ids=position_ids,
-                          sample_ids=rows)
+                          sample_ids=rows, num_tokens=sum(self._row_tokens(row) for row in rows))
 
     def padding_fraction(self, epoch: int = 0) -> float:
         """Share of the token slots of one epoch's batches that are padding (filler rows included).

@@ -126,5 +126,5 @@ def mix_batches(samples: list[dict], *, mode: str, seq_len: int, count: int, pad
     epoch = [source.batch(i) for i in range(source.num_batches_per_epoch)]
     valid = [int(anchor_candidates(b.loss_mask, b.position_ids).sum().clamp(max=num_anchors)) for b in epoch]
     batches = [source.batch(i) for i in range(count)]
-    tokens = [sum(source.lengths[sid] for row in b.sample_ids for sid in row) for b in batches]
-    return MixRows(mode, batches, tokens, source.padding_fraction(), sum(valid) / (num_anchors * len(epoch)))
+    return MixRows(mode, batches, [b.num_tokens for b in batches], source.padding_fraction(),
+                   sum(valid) / (num_anchors * len(epoch)))

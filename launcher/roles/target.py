@@ -120,12 +120,10 @@ def run_target(ctx: Context) -> dict:
     for item in job.schedule.items_for_unit(unit, ctx.start_step):
         maybe_fail(ctx.cfg.fault, ctx.rank, item.step)
         t0 = time.perf_counter()
-        source = train_source if item.kind == TRAIN else eval_source
-        batch = source.batch(item.index)
-        num_tokens = sum(source.lengths[sid] for row in batch.sample_ids for sid in row)
+        batch = (train_source if item.kind == TRAIN else eval_source).batch(item.index)
         dst = topo.drafter_rank(item.drafter)
         if is_leader:
-            sender.announce(dst, item, batch.input_ids, width, HIDDEN_DTYPE, num_tokens)
+            sender.announce(dst, item, batch.input_ids, width, HIDDEN_DTYPE, batch.num_tokens)
         t1 = time.perf_counter()
         positions = batch.position_ids.to(ctx.device) if job.packing and item.kind == TRAIN else None
         hidden = target.capture(batch.input_ids.to(ctx.device), position_ids=positions).to(HIDDEN_DTYPE)
@@ -136,7 +134,7 @@ def run_target(ctx: Context) -> dict:
             seq_log.write("sent", item)
         data_s += t1 - t0
         forward_s += t2 - t1
-        tokens += num_tokens
+        tokens += batch.num_tokens
         slots += batch.input_ids.numel()
         items += 1
     if is_leader:
