@@ -179,8 +179,8 @@ def drafter_stage(job, workloads: list[Workload], *, work: Path, warmup: int, st
     job.device, fed each workload's micro-batches from memory (random target features), one row per
     workload: supervised blocks/s (valid anchors per second), anchor_fill, real tokens/s, compiles
     before and after the timed steps and dflash_core.compile.report(). A workload marked `profile`
-    runs two more steps under torch.profiler; the kernel table and dynamo's compile times land in
-    its row."""
+    runs two more steps under torch.profiler (launcher.bench.profiling): the kernel table, time per
+    kernel category and gaps, and dynamo's compile times land in its row, the trace beside it."""
     from datetime import timedelta
 
     import torch.distributed as dist
