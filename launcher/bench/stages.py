@@ -213,15 +213,34 @@ def drafter_stage(job, workloads: list[Workload], *, work: Path, warmup: int, st
 
 class _Stepper:
     """Training steps on fixed micro-batches, each with a new micro-batch index (new anchors, as in
-    training); returns the step's StepCounts (train_step ends with .item() calls: synchronised)."""
+    training); returns the launched step (trainer.LaunchedStep: queued, not waited for)."""
 
     def __init__(self, trainer):
         self.trainer, self.index, self.batches = trainer, 0, []
 
     def __call__(self, k: int):
-        result = self.trainer.train_step([dataclasses.replace(self.batches[k], index=self.index)])
+        launched = self.trainer.train_step([dataclasses.replace(self.batches[k], index=self.index)])
         self.index += 1
-        return result.counts
+        return launched
+
+
+def _pipelined_steps(stepper: _Stepper, num_batches: int, device, *, steps: int, clock) -> list[tuple]:
+    """(seconds, micro-batch k, StepCounts) of `steps` steps run as the drafter loop runs them: step
+    i + 1 is queued before step i is read, so the host prepares a step while the device finishes
+    the last. Timed as one stretch between two synchronisations; each step is booked an equal share
+    (the steps overlap, so no single one has a time of its own)."""
+    sync(device)
+    start = clock()
+    results, previous = [], None
+    for i in range(steps):
+        launched = stepper(i % num_batches)
+        if previous is not None:
+            results.append(previous.result())
+        previous = launched
+    results.append(previous.result())
+    sync(device)
+    share = (clock() - start) / steps
+    return [(share, i % num_batches, result.counts) for i, result in enumerate(results)]
 
 
 def _drafter_workload(stepper: _Stepper, job, workload: Workload, gen, *, warmup: int, steps: int, ceiling,
@@ -238,12 +257,12 @@ def _drafter_workload(stepper: _Stepper, job, workload: Workload, gen, *, warmup
     before = compile_count()
     t1 = time.perf_counter()
     for k in range(warmup):
-        stepper(k % len(workload))
+        stepper(k % len(workload)).result()
     warm_s = time.perf_counter() - t1
     warm = compile_count()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    timed = _measured_steps(stepper, len(workload), device, warmup=0, steps=steps, clock=clock)
+    timed = _pipelined_steps(stepper, len(workload), device, steps=steps, clock=clock)
     row = _drafter_row(job, workload, timed, ceiling, params=params, warm_s=warm_s,
                        compiles=(before, warm, compile_count()), report=report())
     if workload.profile:

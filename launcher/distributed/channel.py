@@ -6,6 +6,8 @@ Messages between one pair of ranks arrive in order, so no tags are needed.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import re
 import time
 from collections import deque
@@ -28,20 +30,35 @@ class ChannelError(RuntimeError):
     pass
 
 
+def _waiting_stream(comm_device: torch.device):
+    """Where transfers are awaited and their headers read: on CUDA a side stream, so that the host
+    waits for the transfers alone, never for the compute queued on the current stream (the drafter
+    queues its next step before it reads the last one)."""
+    if comm_device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.stream(_side_stream(comm_device))
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
 def _wait_all(works, comm_device: torch.device, what: str) -> None:
     """Block the host until the transfers are done. NCCL's wait() only orders the current CUDA
-    stream after them, so without the synchronize the waiting would be booked as the next forward
-    or training step and the idle fractions would read ~0 on GPUs. A timeout (run.timeout_s) or a
-    lost peer is re-raised naming `what`: the peer rank and the item."""
+    stream after them, so the side stream that waits is synchronised too: the transfers are then
+    complete for every stream, and a wait for data is booked as waiting, not as the next step. A
+    timeout (run.timeout_s) or a lost peer is re-raised naming `what`: the peer rank and the item."""
     try:
-        for work in works:
-            work.wait()
+        with _waiting_stream(comm_device):
+            for work in works:
+                work.wait()
+            if comm_device.type == "cuda":
+                torch.cuda.current_stream(comm_device).synchronize()
     except RuntimeError as exc:
         reason = re.sub(r"^\[[^\]]*\]\s*", "", (str(exc).strip().splitlines() or [type(exc).__name__])[-1])
         raise ChannelError(f"{what} failed (a timeout means no answer within run.timeout_s; see that rank's "
                            f"log): {reason}") from exc
-    if comm_device.type == "cuda":
-        torch.cuda.current_stream(comm_device).synchronize()
 
 
 @dataclass
@@ -134,7 +151,8 @@ class Receiver:
         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.comm_device)
         _wait_all([dist.irecv(header, src)], self.comm_device,
                   f"receiving the header of {expected} from target rank {src}")
-        values = header.tolist()
+        with _waiting_stream(self.comm_device):
+            values = header.tolist()
         if values[0] != _VERSION:
             raise ChannelError(f"channel header from rank {src} has version {values[0]}, expected {_VERSION}")
         return values

@@ -16,7 +16,7 @@ from launcher.context import Context
 from launcher.distributed.channel import Receiver
 from launcher.distributed.isolation import CompileShare, source_digest
 from launcher.roles.fault import maybe_fail
-from launcher.roles.trainer import DrafterTrainer
+from launcher.roles.trainer import DrafterTrainer, LaunchedStep
 from launcher.run_io import checkpoint, resume
 from launcher.run_io.metrics import MetricsSink, RunStats
 from launcher.run_io.plots import plot_run
@@ -77,6 +77,44 @@ def _card(ctx: Context, trainer: DrafterTrainer, last_eval: dict | None) -> dict
             "provenance": card_provenance(ctx.provenance)}
 
 
+@dataclasses.dataclass
+class _Launched:
+    """A step whose kernels are queued, and what its log line needs from the moment it was launched."""
+    step: int
+    launched: LaunchedStep
+    payloads: list
+    waited: float   # seconds the loop waited for the step's micro-batches
+    lr: float       # the learning rate of the step after it (what the log has always shown)
+
+
+class _Books:
+    """Reads launched steps in order and books them: the sequence log, the non-finite guard, the run
+    statistics and (on the lead) the metrics sink."""
+
+    def __init__(self, ctx: Context, sink: MetricsSink | None):
+        self.ctx, self.sink = ctx, sink
+        self.seq_log, self.stats = SeqLog(ctx.run_dir, ctx.rank), RunStats()
+        self.bad_steps, self.last_eval = 0, None
+
+    def read(self, launched: _Launched) -> None:
+        """Wait for that step's values (not for steps launched after it), check and log them."""
+        result, step, max_bad = launched.launched.result(), launched.step, self.ctx.cfg.run.max_bad_steps
+        for p in launched.payloads:
+            self.seq_log.write("trained", p.item)
+        self.bad_steps = self.bad_steps + 1 if result.skipped else 0
+        if result.skipped:
+            log.warning("step %d: non-finite loss or gradient norm (%s); update skipped (%d in a row)", step + 1,
+                        result.grad_norm, self.bad_steps)
+            if self.bad_steps >= max_bad:
+                raise NonFiniteError(f"{self.bad_steps} consecutive non-finite steps, the last at step {step + 1} on "
+                                     f"rank {self.ctx.rank} (run.max_bad_steps={max_bad}): lower optim.lr or check "
+                                     f"the data; no checkpoint was written from them")
+        summary = self.stats.add_step(result, waited=launched.waited)
+        if self.sink is not None:
+            self.sink.step(step + 1, {"lr": launched.lr, "grad_norm": result.grad_norm,
+                                      "skipped_steps": self.stats.skipped, **summary}, self.stats)
+
+
 def run_drafter(ctx: Context, sink: MetricsSink | None) -> dict:
     """The drafter loop; `sink` is the lead drafter's metrics sink (None on the others)."""
     job, cfg, topo, sched = ctx.job, ctx.cfg, ctx.topo, ctx.job.schedule
@@ -92,53 +130,50 @@ def run_drafter(ctx: Context, sink: MetricsSink | None) -> dict:
     ctx.progress.stage("streaming")
     receiver = Receiver(sched.items_for_drafter(topo.drafter_index(ctx.rank), ctx.start_step), topo.unit_leader,
                         ctx.comm_device, ctx.device)
-    seq_log, stats = SeqLog(ctx.run_dir, ctx.rank), RunStats()
-    bad_steps, last_eval = 0, None
+    books = _Books(ctx, sink)
+    in_flight = None   # the step launched last, not read yet
     for step in range(ctx.start_step, cfg.train.steps):
         maybe_fail(cfg.fault, ctx.rank, step)
         t0 = time.perf_counter()
         payloads = [next(receiver) for _ in range(cfg.train.grad_accum)]
         t1 = time.perf_counter()
-        result = trainer.train_step([p.batch for p in payloads])
-        t2 = time.perf_counter()
+        launched = _Launched(step, trainer.train_step([p.batch for p in payloads]), payloads, t1 - t0,
+                             trainer.scheduler.get_last_lr()[0])
+        if in_flight is not None:
+            books.read(in_flight)   # the previous step, while this one runs
+        in_flight = launched
         if step == ctx.start_step:
-            compile_s = t2 - t1 if compile_s is None else compile_s
-            log.info("first step took %.1fs; graphs compiled so far: %d", t2 - t1, compile_count())
-        for p in payloads:
-            seq_log.write("trained", p.item)
-        bad_steps = bad_steps + 1 if result.skipped else 0
-        if result.skipped:
-            log.warning("step %d: non-finite loss or gradient norm (%s); update skipped (%d in a row)", step + 1,
-                        result.grad_norm, bad_steps)
-            if bad_steps >= cfg.run.max_bad_steps:
-                raise NonFiniteError(f"{bad_steps} consecutive non-finite steps, the last at step {step + 1} on rank "
-                                     f"{ctx.rank} (run.max_bad_steps={cfg.run.max_bad_steps}): lower optim.lr or "
-                                     f"check the data; no checkpoint was written from them")
-        summary = stats.add_step(result, waited=t1 - t0, busy=t2 - t1)
-        if sink is not None:
-            sink.step(step + 1, {"lr": trainer.scheduler.get_last_lr()[0], "grad_norm": result.grad_norm,
-                                 "skipped_steps": stats.skipped, **summary}, stats)
+            books.read(in_flight)
+            in_flight = None
+            compile_s = time.perf_counter() - t1 if compile_s is None else compile_s
+            log.info("first step took %.1fs; graphs compiled so far: %d", time.perf_counter() - t1, compile_count())
+        done = step + 1
+        saves = done == cfg.train.steps or (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0)
+        if in_flight is not None and (sched.evaluates_after(step) or saves):
+            # Evaluation, checkpoints and the end follow a read and checked step, on every rank alike (a
+            # non-finite streak stops every rank at the same step).
+            books.read(in_flight)
+            in_flight = None
         if sched.evaluates_after(step):
             evals = [next(receiver) for _ in range(sched.eval_batches)]
             held_out = trainer.evaluate([p.batch for p in evals])
             for p in evals:
-                seq_log.write("evaluated", p.item)
+                books.seq_log.write("evaluated", p.item)
             if sink is not None:
                 sink.eval(step + 1, held_out)
-            last_eval = held_out
-        done = step + 1
-        if lead and (done == cfg.train.steps or (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0)):
+            books.last_eval = held_out
+        if lead and saves:
             log.info("checkpoint %s", checkpoint.save(ctx.run_dir / "checkpoints", done, trainer.state(done),
                                                       cfg.run.keep_checkpoints, record=resume.record(job)))
     receiver.close([topo.unit_leader(u) for u in range(topo.num_units)])
-    seq_log.close()
+    books.seq_log.close()
     if lead:
         log.info("curves: %s", plot_run(ctx.run_dir))
         if cfg.run.export:
             # A resumed run re-writes its own previous export.
             export_drafter(trainer.drafter, ctx.run_dir / "export", overwrite=True,
-                           card=_card(ctx, trainer, last_eval))
+                           card=_card(ctx, trainer, books.last_eval))
             log.info("exported the drafter to %s", ctx.run_dir / "export")
-    return {**stats.result(), "items": len(receiver.received), "compiles": compile_count(), "compile_s": compile_s,
+    return {**books.stats.result(), "items": len(receiver.received), "compiles": compile_count(), "compile_s": compile_s,
             "recompiles": compile_count() - graphs_before_stream if ctx.job.compile.warm_up_shape else None,
             "compile_report": report()}

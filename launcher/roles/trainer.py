@@ -1,13 +1,19 @@
 """The drafter's training state and its one optimiser step, on one rank of the drafter group.
 
 Public surface (the drafter loop and the benchmark use nothing else): `DrafterTrainer(job, group)`,
-`train_step(batches)`, `evaluate(batches)`, `warm_up()`, `state()` / `load_state()`.
+`train_step(batches)` -> `LaunchedStep` (`.result()`), `evaluate(batches)`, `warm_up()`, `state()` /
+`load_state()`.
+
+A step never waits for the GPU: every value the host wants (loss, counts, gradient norm, whether
+the update was skipped) is copied out behind the step's own kernels and read with
+`LaunchedStep.result()`, which waits for that step only. The caller launches step N + 1 before it
+reads step N, so the next step's inputs, anchors and masks are queued while the GPU still runs
+step N's update: the GPU never idles between steps waiting for the host.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import time
 
 import torch
@@ -46,9 +52,35 @@ def _sum_gradients(group, bucket):
 
 @dataclasses.dataclass
 class StepResult:
-    counts: StepCounts     # reduced over every drafter rank and accumulation step
+    counts: StepCounts     # reduced over every drafter rank and accumulation step (host tensors)
     grad_norm: float       # before clipping
     skipped: bool          # non-finite loss or gradient norm: no update was made
+    busy_s: float          # the step's own time on its device (CUDA events; host time elsewhere)
+
+
+class LaunchedStep:
+    """A step whose kernels are queued. Its values travel to pinned host memory behind those
+    kernels (no wait); `result()` waits for them alone, not for work queued after them."""
+
+    def __init__(self, counts: StepCounts, grad_norm: torch.Tensor, skipped: torch.Tensor, started):
+        values = torch.cat([counts.pack(), grad_norm.double().reshape(1), skipped.double().reshape(1)])
+        if values.device.type == "cuda":
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._done = torch.cuda.Event(enable_timing=True)
+            self._done.record()
+        else:
+            self._host, self._done = values, time.perf_counter()
+        self._started = started
+
+    def result(self) -> StepResult:
+        if isinstance(self._done, torch.cuda.Event):
+            self._done.synchronize()
+            busy_s = self._started.elapsed_time(self._done) / 1e3
+        else:
+            busy_s = self._done - self._started
+        values = self._host
+        return StepResult(StepCounts.unpack(values[:-2]), float(values[-2]), bool(values[-1]), busy_s)
 
 
 class DrafterTrainer:
@@ -70,7 +102,8 @@ class DrafterTrainer:
                                            weight_decay=o.weight_decay, fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_multiplier(o, cfg.train.steps))
         self.step_kwargs = dataclasses.asdict(job.step)
-        self.tokens_seen = 0   # context tokens trained on by every drafter rank, over the whole lineage
+        # Context tokens trained on by every drafter rank, over the whole lineage (on the device: no step reads it).
+        self._tokens_seen = torch.zeros((), dtype=torch.float64, device=self.device)
 
     def _data_parallel(self, drafter: DFlashDrafter, group: dist.ProcessGroup):
         """DDP over the drafter ranks; the drafter itself when it is the only one (DDP would still
@@ -93,6 +126,18 @@ class DrafterTrainer:
             return torch.autocast("cuda", dtype=self.amp_dtype)
         return contextlib.nullcontext()
 
+    @property
+    def tokens_seen(self) -> int:
+        return int(self._tokens_seen)
+
+    def _started(self):
+        """What a step's device time is measured from: a CUDA event queued now, or the host clock."""
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
     def state(self, step: int) -> dict:
         return {"step": step, "model": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "rng": checkpoint.rng_state(),
@@ -105,11 +150,14 @@ class DrafterTrainer:
             group["fused"] = True
         self.scheduler.load_state_dict(state["scheduler"])
         checkpoint.set_rng_state(state["rng"])
-        self.tokens_seen = state.get("tokens_seen", 0)
+        self._tokens_seen.fill_(state.get("tokens_seen", 0))
 
-    def train_step(self, batches: list[FeatureBatch]) -> StepResult:
-        """One optimiser step over this rank's micro-batches. A non-finite global loss or gradient
-        norm (every rank sees the same reduced values) skips the update on every rank alike."""
+    def train_step(self, batches: list[FeatureBatch]) -> LaunchedStep:
+        """One optimiser step over this rank's micro-batches, queued without waiting for the device.
+        A non-finite global loss or gradient norm (every rank sees the same reduced values) skips
+        the update on every rank alike: the fused AdamW leaves weights, moments and step count as
+        they were when its `found_inf` is set, so the decision needs no host read either."""
+        started = self._started()
         counts = StepCounts.zeros(self.dcfg.block_size, self.device)
         for a, batch in enumerate(batches):
             last = a == len(batches) - 1
@@ -122,25 +170,25 @@ class DrafterTrainer:
             counts = counts + out.counts
             counts.tokens = counts.tokens + batch.num_tokens
         counts = counts.all_reduce(self.group)
-        self.tokens_seen += int(counts.tokens.item())
+        self._tokens_seen += counts.tokens
         grads = [p.grad for p in self.drafter.parameters() if p.grad is not None]
         # The gradients hold the global sums of d(weighted CE sum): the step optimises
         # (global weighted CE sum) / (global weight sum).
-        norm, multiplier = clip_multiplier(grads, 1.0 / max(counts.weight_sum.item(), 1e-9),
+        norm, multiplier = clip_multiplier(grads, 1.0 / counts.weight_sum.clamp(min=1e-9),
                                            self.job.cfg.optim.grad_clip)
-        grad_norm = float(norm)
-        skipped = not (math.isfinite(grad_norm) and math.isfinite(counts.loss_sum.item()))
-        if not skipped:
-            self._update(multiplier)
+        skipped = ~(torch.isfinite(norm) & torch.isfinite(counts.loss_sum))
+        self._update(multiplier, skipped)
         self.scheduler.step()   # the learning rate stays a function of the step, skipped or not
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(counts, grad_norm, skipped)
+        return LaunchedStep(counts, norm, skipped, started)
 
-    def _update(self, multiplier: torch.Tensor) -> None:
-        """AdamW on gradients * multiplier. The fused kernel divides each gradient by
-        `grad_scale` as it reads it (the attribute AMP's GradScaler sets), sparing a separate
-        pass that rescales 4 GB of fp32 gradients (8B shape) before the step."""
+    def _update(self, multiplier: torch.Tensor, skipped: torch.Tensor) -> None:
+        """AdamW on gradients * multiplier, or no update at all where `skipped`. The fused kernel
+        divides each gradient by `grad_scale` as it reads it and does nothing where `found_inf` is
+        set (the attributes AMP's GradScaler sets), sparing a separate pass that rescales 4 GB of
+        fp32 gradients (8B shape) and a host read of the skip decision before the step."""
         self.optimizer.grad_scale = (1.0 / multiplier).float()
+        self.optimizer.found_inf = skipped.float()
         self.optimizer.step()
 
     def warm_up(self, rows: int, seq_len: int, evaluates: bool) -> float:

@@ -140,9 +140,9 @@ class RunStats:
         self.wait_s = self.busy_s = 0.0
         self.skipped = 0
         self.progress = [(self.started, 0.0)]  # (time, tokens so far) after each step
-        self._window = (self.started, 0.0, 0.0)  # (start, tokens, seconds waiting) since the last log line
+        self._window = (self.started, 0.0, 0.0)  # (start, tokens, seconds of steps) since the last log line
 
-    def add_step(self, result: StepResult, *, waited: float, busy: float) -> dict:
+    def add_step(self, result: StepResult, *, waited: float) -> dict:
         """Record one step; returns its summary (loss, tau, acc, acc_k, eal, anchor_fill)."""
         summary = result.counts.summary()
         tokens = result.counts.tokens.item()
@@ -153,19 +153,19 @@ class RunStats:
         self.valid_anchors += result.counts.tau_count.item()
         self.anchor_slots += result.counts.anchor_slots.item()
         self.wait_s += waited
-        self.busy_s += busy
+        self.busy_s += result.busy_s
         self.progress.append((time.perf_counter(), self.tokens))
-        start, window_tokens, window_wait = self._window
-        self._window = (start, window_tokens + tokens, window_wait + waited)
+        start, window_tokens, window_busy = self._window
+        self._window = (start, window_tokens + tokens, window_busy + result.busy_s)
         return summary
 
     def window_rates(self) -> dict:
-        """Tokens/s and idle fraction since the last call."""
+        """Tokens/s and idle fraction (the share of the time the device ran no step) since the last call."""
         now = time.perf_counter()
-        start, tokens, waited = self._window
+        start, tokens, busy = self._window
         elapsed = max(now - start, 1e-9)
         self._window = (now, 0.0, 0.0)
-        return {"tokens_per_s": tokens / elapsed, "idle_fraction": waited / elapsed}
+        return {"tokens_per_s": tokens / elapsed, "idle_fraction": max(0.0, 1 - busy / elapsed)}
 
     def steady_rate(self) -> float:
         """Tokens/s over the second half of the steps: compilation and pipeline fill stay out of it."""

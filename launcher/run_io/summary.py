@@ -39,7 +39,9 @@ def summarise(ctx: Context, per_rank: list[dict]) -> dict:
         "recompiles": {s["rank"]: s["recompiles"] for s in drafters},
         "compile_report": lead["compile_report"],
         "target_idle_fraction": _mean(s["send_wait_s"] / s["wall_s"] for s in targets),
-        "drafter_idle_fraction": _mean(s["recv_wait_s"] / s["wall_s"] for s in drafters),
+        # The share of a drafter's time its device ran no step. Not its waits for data: the loop queues the
+        # next step before it reads the last, so it waits for data while its GPU may still be busy.
+        "drafter_idle_fraction": _mean(max(0.0, 1 - s["step_s"] / s["wall_s"]) for s in drafters),
         "channel_gb_per_s": sum(s["bytes_sent"] for s in targets) / wall / 1e9 if wall > 0 else 0.0,
         "data": targets[0]["data"],
         "ranks": per_rank,

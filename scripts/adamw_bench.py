@@ -1,0 +1,99 @@
+"""Time the drafter's AdamW update alone at the production drafter's parameter shapes (issue 13:
+~10 ms of the Qwen3-8B-shaped step), against the HBM floor, for the ways PyTorch can run it.
+
+    python scripts/adamw_bench.py --out adamw.json
+
+fp32 parameters, gradients and moments: the update reads 16 and writes 12 bytes per parameter,
+so its floor is 28 bytes x parameters / the HBM bandwidth (4.8 TB/s on H200). Variants:
+  fused        torch.optim.AdamW(fused=True) with grad_scale and found_inf tensors (the trainer's)
+  fused_flat   the same on one flat parameter (every weight a view of one buffer): fewer tensors
+  compiled     torch.compile of a foreach AdamW step with a tensor learning rate (no recompiles)"""
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def drafter_shapes(hidden=4096, kv=1024, inter=12288, head_dim=128, layers=5, features=5):
+    layer = [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (head_dim,), (head_dim,),
+             (inter, hidden), (inter, hidden), (hidden, inter), (hidden,), (hidden,)]
+    return layer * layers + [(hidden, features * hidden), (hidden,), (hidden,)]
+
+
+def _params(shapes, device, flat: bool):
+    total = sum(torch.Size(s).numel() for s in shapes)
+    if not flat:
+        return [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
+    buffer = torch.randn(total, device=device) * 0.02
+    views, offset = [], 0
+    for s in shapes:
+        n = torch.Size(s).numel()
+        views.append(buffer[offset:offset + n].view(s))
+        offset += n
+    return [torch.nn.Parameter(buffer)], views
+
+
+def _timed(step, device, reps: int) -> float:
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        step()
+    torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / reps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--hbm-tb-s", type=float, default=4.8, help="the device's HBM bandwidth (spec sheet)")
+    parser.add_argument("--out", default="adamw.json")
+    args = parser.parse_args()
+    device = torch.device("cuda", 0)
+    shapes = drafter_shapes()
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    floor_ms = 28 * numel / (args.hbm_tb_s * 1e12) * 1e3
+    rows = {}
+
+    def report(name, seconds, **extra):
+        rows[name] = {"ms": seconds * 1e3, "tb_s": 28 * numel / seconds / 1e12,
+                      "of_floor": floor_ms / (seconds * 1e3), **extra}
+        print(f"{name:11s} {seconds * 1e3:7.2f} ms  {rows[name]['tb_s']:.2f} TB/s  floor {floor_ms:.2f} ms  "
+              f"{extra}", flush=True)
+
+    scale, skip = torch.tensor(2.0, device=device), torch.tensor(0.0, device=device)
+    for name, flat in (("fused", False), ("fused_flat", True)):
+        params = _params(shapes, device, flat)
+        params = params[0] if flat else params
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
+        opt.grad_scale, opt.found_inf = scale, skip
+        report(name, _timed(opt.step, device, args.reps), tensors=len(params))
+        del opt, params
+
+    params = _params(shapes, device, False)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=torch.tensor(1e-4, device=device), weight_decay=0.01, foreach=True)
+    multiplier = torch.tensor(0.5, device=device)
+
+    @torch.compile(fullgraph=False)
+    def compiled_step():
+        torch._foreach_mul_([p.grad for p in params], multiplier)   # the trainer's one multiplier
+        opt.step()
+
+    start = time.perf_counter()
+    compiled_step()
+    torch.cuda.synchronize(device)
+    compile_s = time.perf_counter() - start
+    report("compiled", _timed(compiled_step, device, args.reps), compile_s=round(compile_s, 1))
+    json.dump({"params": numel, "floor_ms": floor_ms, "hbm_tb_s": args.hbm_tb_s, "device": torch.cuda.get_device_name(),
+               "torch": torch.__version__, "rows": rows}, open(args.out, "w"), indent=2)
+
+
+if __name__ == "__main__":
+    main()
