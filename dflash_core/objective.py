@@ -251,8 +251,16 @@ def _counts(loss_sum, weight_sum, correct, weights, keep):
     hit = correct & supervised
     accepted = torch.cumprod(hit[..., 1:].long(), dim=-1).sum(dim=-1)
     scalars = [loss_sum, weight_sum, ((1 + accepted) * keep).sum(), keep.sum(), keep.numel(), 0]
-    return StepCounts(*[torch.as_tensor(x, dtype=torch.float64, device=keep.device).detach() for x in scalars],
-                      hit.sum(dim=(0, 1)).double(), supervised.sum(dim=(0, 1)).double())
+    return StepCounts(*[_scalar(x, keep.device) for x in scalars], hit.sum(dim=(0, 1)).double(),
+                      supervised.sum(dim=(0, 1)).double())
+
+
+def _scalar(value, device) -> torch.Tensor:
+    """A float64 0-d tensor on `device`. A Python number is filled in on the device: copying it from
+    pageable host memory would make the host wait for all the work queued before it."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(torch.float64)
+    return torch.full((), value, dtype=torch.float64, device=device)
 
 
 def drafter_step(drafter, head, input_ids, loss_mask, hidden, *, position_ids=None, num_anchors=512,

@@ -1,7 +1,6 @@
 """The drafter's training step as the loop drives it (launcher/roles/trainer.py, launcher/roles/drafter.py):
 queued without a host read, a non-finite step skipped on the device, its values read one step later."""
 import copy
-import dataclasses
 import logging
 from types import SimpleNamespace
 

@@ -174,6 +174,6 @@ def run_drafter(ctx: Context, sink: MetricsSink | None) -> dict:
             export_drafter(trainer.drafter, ctx.run_dir / "export", overwrite=True,
                            card=_card(ctx, trainer, books.last_eval))
             log.info("exported the drafter to %s", ctx.run_dir / "export")
-    return {**books.stats.result(), "items": len(receiver.received), "compiles": compile_count(), "compile_s": compile_s,
-            "recompiles": compile_count() - graphs_before_stream if ctx.job.compile.warm_up_shape else None,
-            "compile_report": report()}
+    recompiles = compile_count() - graphs_before_stream if ctx.job.compile.warm_up_shape else None
+    return {**books.stats.result(), "items": len(receiver.received), "compiles": compile_count(),
+            "compile_s": compile_s, "recompiles": recompiles, "compile_report": report()}

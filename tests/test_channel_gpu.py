@@ -1,0 +1,38 @@
+"""The channel's waits on a GPU (skipped without CUDA; run through the device tool): a drafter that
+queued its next step and then waits for data must wait for the transfer alone, never for the step."""
+import pytest
+import torch
+
+from launcher.distributed.channel import _wait_all, _waiting_stream
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+class _EventWork:
+    """A transfer that is done when `event` is: wait() orders the current stream after it, as NCCL's does."""
+
+    def __init__(self, event: torch.cuda.Event):
+        self.event = event
+
+    def wait(self) -> bool:
+        torch.cuda.current_stream().wait_event(self.event)
+        return True
+
+
+def test_waiting_for_data_and_reading_a_header_leave_the_queued_step_running():
+    device = torch.device("cuda", 0)
+    header = torch.arange(10, device=device)
+    torch.cuda.synchronize(device)
+    torch.cuda._sleep(2_000_000_000)      # the queued step: ~1 s of GPU time on the current stream
+    transfer = torch.cuda.Stream(device)
+    with torch.cuda.stream(transfer):
+        torch.cuda._sleep(1_000_000)      # the transfer: ~0.5 ms
+        done = torch.cuda.Event()
+        done.record()
+    _wait_all([_EventWork(done)], device, "a test transfer")
+    assert done.query(), "returned before the transfer was done"
+    with _waiting_stream(device):
+        values = header.tolist()
+    assert values == list(range(10))
+    assert not torch.cuda.current_stream(device).query(), "waited for the queued step"
+    torch.cuda.synchronize(device)
