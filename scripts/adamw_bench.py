@@ -7,7 +7,7 @@ fp32 parameters, gradients and moments: the update reads 16 and writes 12 bytes 
 so its floor is 28 bytes x parameters / the HBM bandwidth (4.8 TB/s on H200). Variants:
   fused        torch.optim.AdamW(fused=True) with grad_scale and found_inf tensors (the trainer's)
   fused_flat   the same on one flat parameter (every weight a view of one buffer): fewer tensors
-  compiled     torch.compile of a foreach AdamW step with a tensor learning rate (no recompiles)"""
+  compiled     torch.compile of a capturable foreach AdamW step with a tensor learning rate (no recompiles)"""
 
 import argparse
 import json
@@ -78,7 +78,8 @@ def main() -> None:
     params = _params(shapes, device, False)
     for p in params:
         p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(params, lr=torch.tensor(1e-4, device=device), weight_decay=0.01, foreach=True)
+    opt = torch.optim.AdamW(params, lr=torch.tensor(1e-4, device=device), weight_decay=0.01, foreach=True,
+                            capturable=True)
     multiplier = torch.tensor(0.5, device=device)
 
     @torch.compile(fullgraph=False)
