@@ -123,51 +123,41 @@ def block_labels(input_ids, loss_mask, anchors, keep, block_size, position_ids=N
     return labels, weights.float()
 
 
-def loss_weights(ce, weights, *, loss_type, gamma, alpha, first_slot=0):
-    """Per-position loss weights [..., n] from the 0/1 label weights (ce is detached) of the
-    consecutive slots k = first_slot .. first_slot + n - 1 of each block (the head-loss paths
-    pass the drafted slots 1..Bs-1 only).
+def loss_weights(ce, weights, *, loss_type, gamma, alpha):
+    """Per-position loss weights [B, c, Bs] from the 0/1 label weights (ce is detached).
     dflash: w * exp(-(k-1)/gamma).
     dpace:  q' = (1-alpha) exp(-ce) + alpha, prefix = cumprod of q' over slots 1..k,
             weight_k = w_k * sum_{j>=k} prefix_j w_j  (d E[accepted] / d log q'_k)."""
-    slot = torch.arange(first_slot, first_slot + weights.shape[-1], device=weights.device, dtype=weights.dtype)
+    slot = torch.arange(weights.shape[-1], device=weights.device, dtype=weights.dtype)
     if loss_type == "dflash":
         return weights * torch.exp(-(slot - 1) / gamma)
     if loss_type == "dpace":
-        # Slot 0 is given, not drafted: it is accepted with probability 1.
-        q = torch.where(slot > 0, (1 - alpha) * torch.exp(-ce) + alpha, 1.0)
+        q = (1 - alpha) * torch.exp(-ce) + alpha
+        q[..., 0] = 1.0  # slot 0 is given, not drafted
         reach = torch.cumprod(q, dim=-1) * weights
         return weights * reach.flip(-1).cumsum(-1).flip(-1)
     raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
 
 
-def _drafted_rows(h):
-    """h [B, c, Bs, H] -> the drafted slots 1..Bs-1 as one [B * c * (Bs-1), H] copy. Slot 0, the
-    given anchor token, is never supervised, so it skips the LM head (1/Bs of its GEMMs).
-    One [rows, H] x [H, V] GEMM: a 4-D slice can make matmul fall back to a batched GEMM of
-    Bs-row blocks that re-reads the whole LM head per block (~70% of an 8B-shaped step on H200)."""
-    return h[:, :, 1:].reshape(-1, h.shape[-1])
-
-
 def _chunk_loss(h, labels, weights, head, loss_type, gamma, alpha):
-    """h [B, c, Bs, H] -> (weighted CE sum, weight sum, argmax == label [B, c, Bs], slot 0 False)."""
-    labels, weights = labels[..., 1:], weights[..., 1:]
-    logits = head.logits(_drafted_rows(h)).float()
+    """h [B, c, Bs, H] -> (weighted CE sum, weight sum, argmax == label [B, c, Bs])."""
+    # One [rows, H] x [H, V] GEMM: a 4-D slice can make matmul fall back to a batched GEMM
+    # of Bs-row blocks that re-reads the whole LM head per block (~70% of an 8B-shaped step on H200).
+    logits = head.logits(h.reshape(-1, h.shape[-1])).float()
     ce = F.cross_entropy(logits, labels.flatten(), reduction="none").view_as(weights)
-    final = loss_weights(ce.detach(), weights, loss_type=loss_type, gamma=gamma, alpha=alpha, first_slot=1)
-    hit = (logits.argmax(-1) == labels.flatten()).view_as(labels)
-    return (final * ce).sum(), final.sum().detach(), F.pad(hit, (1, 0))
+    final = loss_weights(ce.detach(), weights, loss_type=loss_type, gamma=gamma, alpha=alpha)
+    correct = (logits.argmax(-1) == labels.flatten()).view_as(labels)
+    return (final * ce).sum(), final.sum().detach(), correct
 
 
 def _head_loss_terms(logits, labels, weights, loss_type, gamma, alpha):
-    """From one chunk's logits [rows, V] of the drafted slots 1..Bs-1: per-position CE and final
-    weights [B, c, Bs-1], argmax hits, and d(weighted CE sum)/d(logits) = (softmax - onehot) * weight,
-    in the logits' dtype."""
+    """From one chunk's logits [rows, V]: per-position CE and final weights [B, c, Bs], argmax hits,
+    and d(weighted CE sum)/d(logits) = (softmax - onehot) * weight, in the logits' dtype."""
     dtype, logits = logits.dtype, logits.float()
     flat_labels = labels.flatten()
     log_z = torch.logsumexp(logits, dim=-1)
     ce = (log_z - logits.gather(1, flat_labels.unsqueeze(1)).squeeze(1)).view_as(weights)
-    final = loss_weights(ce, weights, loss_type=loss_type, gamma=gamma, alpha=alpha, first_slot=1)
+    final = loss_weights(ce, weights, loss_type=loss_type, gamma=gamma, alpha=alpha)
     correct = (logits.argmax(-1) == flat_labels).view_as(labels)
     onehot = torch.arange(logits.shape[1], device=logits.device) == flat_labels.unsqueeze(1)
     grad_logits = (torch.exp(logits - log_z.unsqueeze(1)) - onehot.float()) * final.flatten().unsqueeze(1)
@@ -180,8 +170,8 @@ _compiled_head_loss_terms = compiled_function("head_loss", _head_loss_terms)
 
 
 class _FusedHeadLoss(torch.autograd.Function):
-    """Weighted CE of lm_head(h) over the drafted slots of all blocks, `chunk_blocks` blocks at a
-    time, with d(loss)/dh computed in the forward pass (exactly 0 for slot 0, which skips the head).
+    """Weighted CE of lm_head(h) over all blocks, `chunk_blocks` blocks at a time, with d(loss)/dh
+    computed in the forward pass.
 
     Activation checkpointing would run each chunk's [rows, V] logits GEMM twice (forward, then
     again in backward); here the forward also forms (softmax - onehot) * weight and multiplies it
@@ -195,19 +185,18 @@ class _FusedHeadLoss(torch.autograd.Function):
     def forward(ctx, h, head_weight, labels, weights, chunk_blocks, loss_type, gamma, alpha, compiled):
         terms = _compiled_head_loss_terms if compiled else _head_loss_terms
         grad_h = torch.empty_like(h)
-        grad_h[:, :, 0].zero_()
-        correct = torch.zeros_like(labels, dtype=torch.bool)
         loss_sum = weight_sum = 0.0
+        correct = []
         for start in range(0, h.shape[1], chunk_blocks):
             part = slice(start, start + chunk_blocks)
-            logits = _drafted_rows(h[:, part]).to(head_weight.dtype) @ head_weight.T
-            drafted = (slice(None), part, slice(1, None))
-            ce, final, hit, grad_logits = terms(logits, labels[drafted], weights[drafted], loss_type, gamma, alpha)
-            grad_h[drafted] = (grad_logits @ head_weight).view_as(grad_h[drafted])
-            correct[drafted] = hit
+            logits = h[:, part].reshape(-1, h.shape[-1]).to(head_weight.dtype) @ head_weight.T
+            ce, final, hit, grad_logits = terms(logits, labels[:, part], weights[:, part], loss_type, gamma, alpha)
+            grad_h[:, part] = (grad_logits @ head_weight).view_as(grad_h[:, part])
             loss_sum = loss_sum + (final * ce).sum()
             weight_sum = weight_sum + final.sum()
+            correct.append(hit)
         ctx.save_for_backward(grad_h)
+        correct = torch.cat(correct, dim=1)
         ctx.mark_non_differentiable(weight_sum, correct)
         return loss_sum, weight_sum, correct
 

@@ -42,8 +42,7 @@ def drafter_step_flops_breakdown(cfg, seq_len: int, anchors) -> dict:
     P = layer_matmul_params of one drafter layer, P_kv = its k,v weights, L captured target layers:
 
       layers    = 6 * P * Q * n            forward 2 + input-grad 2 + weight-grad 2, per query token
-      lm_head   = 4 * V * H * N * (Bs-1)   frozen head: forward + input-grad only (no weight grad), for
-                                         the drafted slots (slot 0 is the given anchor: no logits)
+      lm_head   = 4 * V * H * Q            frozen head: forward + input-grad only (no weight grad)
       attention = 3 * n * 4 * heads * head_dim * sum_blocks Bs * (a + Bs)
                   QK^T and PV (2 FLOPs per MAC each) over the VISIBLE keys only: a query of the block
                   anchored at a sees the a context keys before it and the Bs keys of its block;
@@ -68,7 +67,7 @@ def drafter_step_flops_breakdown(cfg, seq_len: int, anchors) -> dict:
     visible_keys = anchor_sum + num_blocks * bs   # summed over blocks, per query slot
     parts = {
         "layers": 6 * layer * queries * n,
-        "lm_head": 4 * cfg.vocab_size * hidden * num_blocks * (bs - 1),
+        "lm_head": 4 * cfg.vocab_size * hidden * queries,
         "attention": 3 * n * 4 * cfg.num_attention_heads * cfg.head_dim * bs * visible_keys,
         "context_kv": 6 * kv * seq_len * n,
         "fc": 6 * cfg.num_features * hidden * hidden * seq_len,
