@@ -61,20 +61,16 @@ def profile_steps(step, device: torch.device, sync, step_ms: float, steps: int =
     """Profile `steps` calls of step() (step_ms: its unprofiled wall time): the op table, the
     kernel breakdown (CUDA) and dynamo's compile times, and a Chrome trace at `trace` (gzipped
     when the name ends in .gz) for the timeline. Prints the breakdown so a log alone says where
-    the time went. One more step runs first under the profiler's warm-up: steps that queue
-    without waiting (the drafter's) are then recorded in their steady state, each one queued
-    while the last still runs, as in training, not starting from an idle device."""
+    the time went."""
     from torch._dynamo.utils import compile_times
-    from torch.profiler import ProfilerActivity, profile, schedule
+    from torch.profiler import ProfilerActivity, profile
 
     on_cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-    with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1)) as prof:
-        for i in range(steps + 1):
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
             step()
-            if i == steps:
-                sync(device)   # the last recorded step's kernels finish inside the recording
-            prof.step()
+        sync(device)
     sort = "cuda_time_total" if on_cuda else "cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70)
     result = {"steps": steps, "table": table, "compile_times": compile_times(repr="str", aggregate=True)}
