@@ -130,7 +130,7 @@ class DrafterTrainer:
     def tokens_seen(self) -> int:
         return int(self._tokens_seen)
 
-    def _started(self):
+    def _step_start(self):
         """What a step's device time is measured from: a CUDA event queued now, or the host clock."""
         if self.device.type != "cuda":
             return time.perf_counter()
@@ -157,7 +157,7 @@ class DrafterTrainer:
         A non-finite global loss or gradient norm (every rank sees the same reduced values) skips
         the update on every rank alike: the fused AdamW leaves weights, moments and step count as
         they were when its `found_inf` is set, so the decision needs no host read either."""
-        started = self._started()
+        started = self._step_start()
         counts = StepCounts.zeros(self.dcfg.block_size, self.device)
         for a, batch in enumerate(batches):
             last = a == len(batches) - 1
