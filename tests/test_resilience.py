@@ -66,6 +66,25 @@ def test_raising_rank_ends_the_job_quickly_and_is_named(tmp_path, tiny_target_di
     assert f"[{role}{rank}] ERROR failed: InjectedFault: fault injected on rank {rank} at step 3" in proc.stderr
 
 
+def test_non_finite_steps_are_skipped_then_stop_every_drafter(tmp_path, tiny_target_dir):
+    """Drafter rank 2 sees NaN features from step 3 on: the all-reduced loss is NaN on both drafters,
+    so both skip steps 4 and 5 (1-based) on the device and stop together after run.max_bad_steps=2,
+    naming the step, their rank and the knob; the step-4 checkpoint holds only finite weights and no
+    later one is written."""
+    run_dir = tmp_path / "run"
+    proc = torchrun(3, "topology=t1d2", "train.steps=20", "run.checkpoint_every=2", "train.eval_every=0",
+                    "run.max_bad_steps=2", f"run.dir={run_dir}", "fault.rank=2", "fault.step=3", "fault.kind=nan",
+                    *tiny_overrides(tmp_path, tiny_target_dir), timeout=180)
+    assert proc.returncode != 0
+    assert "step 4: non-finite loss or gradient norm (nan); update skipped (1 in a row)" in proc.stderr
+    for rank in (1, 2):
+        assert (f"[drafter{rank}] ERROR failed: NonFiniteError: 2 consecutive non-finite steps, the last at step 5 "
+                f"on rank {rank} (run.max_bad_steps=2)") in proc.stderr
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_00000002", "step_00000004"]
+    weights = torch.load(run_dir / "checkpoints" / "step_00000004" / "state.pt", weights_only=False)["model"]
+    assert all(torch.isfinite(value).all() for value in weights.values())
+
+
 def _gone(pid: int) -> bool:
     return lock._start_ticks(pid) is None   # no such process, or a zombie nobody reaped yet
 

@@ -167,8 +167,8 @@ class FaultSettings:
     step: Optional[int] = knob(None, "test only: the optimiser step it dies at", ge=0)
     stage: Optional[str] = knob(None, "test only: the start-up stage it fails on entering (instead of a step)",
                                 choices=STARTUP_STAGES)
-    kind: str = knob("kill", "kill (SIGKILL) | raise | stop (SIGSTOP: alive but silent)",
-                     choices=("kill", "raise", "stop"))
+    kind: str = knob("kill", "kill (SIGKILL) | raise | stop (SIGSTOP: alive but silent) | nan (a drafter's "
+                     "features are NaN from that step on)", choices=("kill", "raise", "stop", "nan"))
     once: bool = knob(True, "only on torchrun's first attempt, so --max-restarts recovers")
 
 

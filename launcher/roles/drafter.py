@@ -15,7 +15,7 @@ from dflash_core.export import export_drafter
 from launcher.context import Context
 from launcher.distributed.channel import Receiver
 from launcher.distributed.isolation import CompileShare, source_digest
-from launcher.roles.fault import maybe_fail
+from launcher.roles.fault import maybe_fail, poisons
 from launcher.roles.trainer import DrafterTrainer, LaunchedStep
 from launcher.run_io import checkpoint, resume
 from launcher.run_io.metrics import MetricsSink, RunStats
@@ -137,8 +137,10 @@ def run_drafter(ctx: Context, sink: MetricsSink | None) -> dict:
         t0 = time.perf_counter()
         payloads = [next(receiver) for _ in range(cfg.train.grad_accum)]
         t1 = time.perf_counter()
-        launched = _Launched(step, trainer.train_step([p.batch for p in payloads]), payloads, t1 - t0,
-                             trainer.scheduler.get_last_lr()[0])
+        batches = [p.batch for p in payloads]
+        if poisons(cfg.fault, ctx.rank, step):
+            batches = [dataclasses.replace(b, hidden=torch.full_like(b.hidden, float("nan"))) for b in batches]
+        launched = _Launched(step, trainer.train_step(batches), payloads, t1 - t0, trainer.scheduler.get_last_lr()[0])
         if in_flight is not None:
             books.read(in_flight)   # the previous step, while this one runs
         in_flight = launched

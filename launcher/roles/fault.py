@@ -1,5 +1,6 @@
 """Test-only fault injection: make one rank die (SIGKILL), raise, or stop (SIGSTOP: alive to the
-kernel, silent to its peers) at a chosen step or on entering a chosen start-up stage.
+kernel, silent to its peers) at a chosen step or on entering a chosen start-up stage; or feed one
+drafter NaN features from a chosen step on (kind=nan: the non-finite guard's test).
 
 Fires on the first attempt only (torchrun's restart count 0), so a run under
 `--max-restarts` recovers instead of failing the same way again.
@@ -26,8 +27,13 @@ def _fire(fault: DictConfig, rank: int, where: str) -> None:
 
 
 def maybe_fail(fault: DictConfig, rank: int, step: int) -> None:
-    if fault.rank == rank and fault.stage is None and fault.step == step:
+    if fault.rank == rank and fault.stage is None and fault.step == step and fault.kind != "nan":
         _fire(fault, rank, f"step {step}")
+
+
+def poisons(fault: DictConfig, rank: int, step: int) -> bool:
+    """kind=nan: this rank's micro-batches carry NaN features from fault.step on."""
+    return fault.kind == "nan" and fault.rank == rank and fault.step is not None and step >= fault.step
 
 
 def maybe_fail_at_stage(fault: DictConfig, rank: int, stage: str) -> None:
