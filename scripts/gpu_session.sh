@@ -4,6 +4,9 @@
 #   bash scripts/gpu_session.sh bench                                (~8 min)
 #   bash scripts/gpu_session.sh stages gpu-tests   then   mix-e2e    (packed vs padded, issue 12; x2 for mix-e2e)
 #   bash scripts/gpu_session.sh shapes                               (Llama-3-8B, Qwen3.5-35B-A3B target rows)
+#   bash scripts/gpu_session.sh drafter-ab                           (the drafter step, this tree vs an older one)
+#     Prepare the older tree first (here; it travels as an untracked folder):
+#     mkdir -p ab/base && git archive <ref> | tar -x -C ab/base; then rm -rf ab/base after the call.
 # On nvidia-h200-x8 (issue 8: the original incident's 8-GPU shape, a Qwen3-27B-shaped target), two calls
 # while the machine stays warm (the second reuses /tmp/b27's compile cache):
 #   bash scripts/gpu_session.sh incident                             (stage rates, 8-GPU split advice)
@@ -52,6 +55,15 @@ for s in "$@"; do case $s in
   shapes) for shape in llama3-8b qwen3.5-35b-a3b; do stage "shape_$shape" timeout $(left 280) python3 -m launcher.bench \
             --shape $shape --seq 4096 --no-mix --skip-e2e --skip-baseline --skip-full-forward --warmup 2 \
             --steps 4 --out "$OUT/shape_$shape.json"; done ;;
+  drafter-ab) [ -d "${AB_BASE:-ab/base}" ] || { echo "drafter-ab: no ${AB_BASE:-ab/base} (see the header)"; exit 2; }
+      # Alternating, twice each, same machine and shape: ms/step moves a few % from machine to machine.
+      for round in 1 2; do for tree in "$PWD" "$PWD/${AB_BASE:-ab/base}"; do
+        name=$([ "$tree" = "$PWD" ] && echo this || echo base)$round
+        (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout $(left 150) python3 -m launcher.bench --skip-target \
+           --skip-e2e --skip-baseline --no-mix --seq 4096 --steps 30 --work-dir /tmp/ab_$(basename "$tree") \
+           --out /tmp/ab_$name.json) > "$OUT/ab_$name.log" 2>&1
+        echo "== $name: $(grep -m1 'drafter alone' "$OUT/ab_$name.log" | cut -c1-120)"
+      done; done ;;
   gpu-tests) stage gpu_tests timeout $(left 400) python3 -m pytest -q -s -p no:cacheprovider -m gpu tests ;;
   incident) stage incident timeout $(left 580) python3 -m launcher.bench --shape qwen3-27b --seq 4096 \
               --no-mix --skip-e2e --skip-baseline --e2e-topology t5d3 --work-dir /tmp/b27 --out "$OUT/incident.json" ;;
