@@ -88,13 +88,26 @@ class _Launched:
 
 
 class _Books:
-    """Reads launched steps in order and books them: the sequence log, the non-finite guard, the run
-    statistics and (on the lead) the metrics sink."""
+    """Reads launched steps in order, one step behind the launches, and books them: the sequence log,
+    the non-finite guard, the run statistics and (on the lead) the metrics sink."""
 
     def __init__(self, ctx: Context, sink: MetricsSink | None):
         self.ctx, self.sink = ctx, sink
         self.seq_log, self.stats = SeqLog(ctx.run_dir, ctx.rank), RunStats()
         self.bad_steps, self.last_eval = 0, None
+        self._in_flight: _Launched | None = None   # the step launched last, not read yet
+
+    def queue(self, launched: _Launched) -> None:
+        """Hold a just-launched step; read the one before it, which ran while this one was queued."""
+        self.flush()
+        self._in_flight = launched
+
+    def flush(self) -> None:
+        """Read the held step, if any: before evaluation, checkpoints and the end (on every rank alike,
+        so a non-finite streak stops every rank at the same step)."""
+        if self._in_flight is not None:
+            launched, self._in_flight = self._in_flight, None
+            self.read(launched)
 
     def read(self, launched: _Launched) -> None:
         """Wait for that step's values (not for steps launched after it), check and log them."""
@@ -131,7 +144,6 @@ def run_drafter(ctx: Context, sink: MetricsSink | None) -> dict:
     receiver = Receiver(sched.items_for_drafter(topo.drafter_index(ctx.rank), ctx.start_step), topo.unit_leader,
                         ctx.comm_device, ctx.device)
     books = _Books(ctx, sink)
-    in_flight = None   # the step launched last, not read yet
     for step in range(ctx.start_step, cfg.train.steps):
         maybe_fail(cfg.fault, ctx.rank, step)
         t0 = time.perf_counter()
@@ -140,22 +152,16 @@ def run_drafter(ctx: Context, sink: MetricsSink | None) -> dict:
         batches = [p.batch for p in payloads]
         if poisons(cfg.fault, ctx.rank, step):
             batches = [dataclasses.replace(b, hidden=torch.full_like(b.hidden, float("nan"))) for b in batches]
-        launched = _Launched(step, trainer.train_step(batches), payloads, t1 - t0, trainer.scheduler.get_last_lr()[0])
-        if in_flight is not None:
-            books.read(in_flight)   # the previous step, while this one runs
-        in_flight = launched
+        books.queue(_Launched(step, trainer.train_step(batches), payloads, t1 - t0,
+                              trainer.scheduler.get_last_lr()[0]))
         if step == ctx.start_step:
-            books.read(in_flight)
-            in_flight = None
+            books.flush()
             compile_s = time.perf_counter() - t1 if compile_s is None else compile_s
             log.info("first step took %.1fs; graphs compiled so far: %d", time.perf_counter() - t1, compile_count())
         done = step + 1
         saves = done == cfg.train.steps or (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0)
-        if in_flight is not None and (sched.evaluates_after(step) or saves):
-            # Evaluation, checkpoints and the end follow a read and checked step, on every rank alike (a
-            # non-finite streak stops every rank at the same step).
-            books.read(in_flight)
-            in_flight = None
+        if sched.evaluates_after(step) or saves:
+            books.flush()
         if sched.evaluates_after(step):
             evals = [next(receiver) for _ in range(sched.eval_batches)]
             held_out = trainer.evaluate([p.batch for p in evals])
