@@ -79,7 +79,7 @@ def test_books_stop_after_max_bad_steps(tmp_path, caplog):
     """The loop's books read launched steps in order: each skipped one is a warning naming its step,
     and run.max_bad_steps in a row raise NonFiniteError naming the step, the rank and the knob."""
     from dflash_core.objective import StepCounts
-    from launcher.roles.drafter import NonFiniteError, _Books, _Launched
+    from launcher.roles.drafter import NonFiniteError, _Books, _InFlight
     from launcher.roles.trainer import StepResult
 
     class Done:   # a launched step whose values are ready
@@ -93,9 +93,9 @@ def test_books_stop_after_max_bad_steps(tmp_path, caplog):
     books = _Books(ctx, sink=None)
     caplog.set_level(logging.WARNING, logger="dflash")
     for step, skipped in enumerate([True, False, True]):
-        books.read(_Launched(step, Done(skipped), [], 0.0, 1e-3))
+        books.read(_InFlight(step, Done(skipped), [], 0.0, 1e-3))
     assert books.stats.skipped == 2 and "step 3: non-finite" in caplog.text
     with pytest.raises(NonFiniteError, match=r"2 consecutive non-finite steps, the last at step 4 on rank 3 "
                                              r"\(run.max_bad_steps=2\)"):
-        books.read(_Launched(3, Done(True), [], 0.0, 1e-3))
+        books.read(_InFlight(3, Done(True), [], 0.0, 1e-3))
     books.seq_log.close()

@@ -78,7 +78,7 @@ def _card(ctx: Context, trainer: DrafterTrainer, last_eval: dict | None) -> dict
 
 
 @dataclasses.dataclass
-class _Launched:
+class _InFlight:
     """A step whose kernels are queued, and what its log line needs from the moment it was launched."""
     step: int
     launched: LaunchedStep
@@ -95,9 +95,9 @@ class _Books:
         self.ctx, self.sink = ctx, sink
         self.seq_log, self.stats = SeqLog(ctx.run_dir, ctx.rank), RunStats()
         self.bad_steps, self.last_eval = 0, None
-        self._in_flight: _Launched | None = None   # the step launched last, not read yet
+        self._in_flight: _InFlight | None = None   # the step launched last, not read yet
 
-    def queue(self, launched: _Launched) -> None:
+    def queue(self, launched: _InFlight) -> None:
         """Hold a just-launched step; read the one before it, which ran while this one was queued."""
         self.flush()
         self._in_flight = launched
@@ -109,7 +109,7 @@ class _Books:
             launched, self._in_flight = self._in_flight, None
             self.read(launched)
 
-    def read(self, launched: _Launched) -> None:
+    def read(self, launched: _InFlight) -> None:
         """Wait for that step's values (not for steps launched after it), check and log them."""
         result, step, max_bad = launched.launched.result(), launched.step, self.ctx.cfg.run.max_bad_steps
         for p in launched.payloads:
@@ -152,7 +152,7 @@ def run_drafter(ctx: Context, sink: MetricsSink | None) -> dict:
         batches = [p.batch for p in payloads]
         if poisons(cfg.fault, ctx.rank, step):
             batches = [dataclasses.replace(b, hidden=torch.full_like(b.hidden, float("nan"))) for b in batches]
-        books.queue(_Launched(step, trainer.train_step(batches), payloads, t1 - t0,
+        books.queue(_InFlight(step, trainer.train_step(batches), payloads, t1 - t0,
                               trainer.scheduler.get_last_lr()[0]))
         if step == ctx.start_step:
             books.flush()
