@@ -5,8 +5,8 @@
 #   bash scripts/gpu_session.sh stages gpu-tests   then   mix-e2e    (packed vs padded, issue 12; x2 for mix-e2e)
 #   bash scripts/gpu_session.sh shapes                               (Llama-3-8B, Qwen3.5-35B-A3B target rows)
 #   bash scripts/gpu_session.sh drafter-ab                           (the drafter step, this tree vs an older one)
-#     Prepare the older tree first (here; it travels as an untracked folder):
-#     mkdir -p ab/base && git archive <ref> | tar -x -C ab/base; then rm -rf ab/base after the call.
+#     Prepare the older tree first, here: mkdir -p ab/base && git archive <ref> | tar -x -C ab/base
+#     (ab/ is gitignored: carry [".whl", "ab"] on that device call).
 # On nvidia-h200-x8 (issue 8: the original incident's 8-GPU shape, a Qwen3-27B-shaped target), two calls
 # while the machine stays warm (the second reuses /tmp/b27's compile cache):
 #   bash scripts/gpu_session.sh incident                             (stage rates, 8-GPU split advice)
