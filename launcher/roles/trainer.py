@@ -34,7 +34,8 @@ def anchor_generator(device: torch.device, seed: int, index: int) -> torch.Gener
     return torch.Generator(device=device).manual_seed(seed * 1_000_003 + index)
 
 
-def clip_multiplier(grads: list[torch.Tensor], scale: float, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+def clip_multiplier(grads: list[torch.Tensor], scale: float | torch.Tensor,
+                    max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The one factor m such that grads * m are the grads scaled by `scale`, then clipped to
     max_norm; and the scaled norm before clipping. Both 0-d tensors: no host sync, no pass that
     writes the gradients (the fused AdamW applies m, see DrafterTrainer._update)."""
