@@ -7,7 +7,9 @@ fp32 parameters, gradients and moments: the update reads 16 and writes 12 bytes 
 so its floor is 28 bytes x parameters / the HBM bandwidth (4.8 TB/s on H200). Variants:
   fused        torch.optim.AdamW(fused=True) with grad_scale and found_inf tensors (the trainer's)
   fused_flat   the same on one flat parameter (every weight a view of one buffer): fewer tensors
-  compiled     torch.compile of a capturable foreach AdamW step with a tensor learning rate (no recompiles)"""
+  compiled     torch.compile of a capturable foreach AdamW step with a tensor learning rate (no recompiles)
+  overlapped   the fused update on a side stream while the compute stream runs the next step's forward
+               GEMMs (layer shapes, 8192 query rows): how much of the update such an overlap would hide"""
 
 import argparse
 import json
@@ -46,6 +48,35 @@ def _timed(step, device, reps: int) -> float:
     return (time.perf_counter() - start) / reps
 
 
+def _overlapped(shapes, device, reps: int, report) -> None:
+    """GEMMs of one forward's worth (bf16, the 2-D weights of `shapes` applied to 8192 rows) alone, the
+    fused update alone, and both at once on two streams."""
+    params = _params(shapes, device, False)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
+    weights = [torch.randn(s, device=device, dtype=torch.bfloat16) for s in shapes if len(s) == 2]
+    rows = torch.randn(8192, max(w.shape[1] for w in weights), device=device, dtype=torch.bfloat16)
+
+    def forward():
+        for w in weights:
+            torch.mm(rows[:, :w.shape[1]], w.t())
+
+    side = torch.cuda.Stream(device)
+
+    def both():
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            opt.step()
+        forward()
+        torch.cuda.current_stream(device).wait_stream(side)
+
+    gemm_s, adamw_s = _timed(forward, device, reps), _timed(opt.step, device, reps)
+    both_s = _timed(both, device, reps)
+    report("overlapped", both_s, gemms_ms=round(gemm_s * 1e3, 2), adamw_ms=round(adamw_s * 1e3, 2),
+           hidden_ms=round((gemm_s + adamw_s - both_s) * 1e3, 2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=20)
@@ -74,6 +105,8 @@ def main() -> None:
         opt.grad_scale, opt.found_inf = scale, skip
         report(name, _timed(opt.step, device, args.reps), tensors=len(params))
         del opt, params
+
+    _overlapped(shapes, device, args.reps, report)
 
     params = _params(shapes, device, False)
     for p in params:

@@ -5,6 +5,9 @@
 #   bash scripts/gpu_session.sh stages gpu-tests   then   mix-e2e    (packed vs padded, issue 12; x2 for mix-e2e)
 #   bash scripts/gpu_session.sh shapes                               (Llama-3-8B, Qwen3.5-35B-A3B target rows)
 #   bash scripts/gpu_session.sh drafter-ab                           (the drafter step, this tree vs an older one)
+#   bash scripts/gpu_session.sh warm-start                           (t1d2 at the 8B shape on one GPU: the second
+#                                                                      drafter compiles from the first one's artefacts)
+#   bash scripts/gpu_session.sh adamw                                (AdamW variants against the HBM floor)
 #     Prepare the older tree first, here: mkdir -p ab/base && git archive <ref> | tar -x -C ab/base
 #     (ab/ is gitignored: carry [".whl", "ab"] on that device call).
 # On nvidia-h200-x8 (issue 8: the original incident's 8-GPU shape, a Qwen3-27B-shaped target), two calls
@@ -64,6 +67,11 @@ for s in "$@"; do case $s in
            --out /tmp/ab_$name.json) > "$OUT/ab_$name.log" 2>&1
         echo "== $name: $(grep -m1 'drafter alone' "$OUT/ab_$name.log" | cut -c1-120)"
       done; done ;;
+  warm-start) stage warm_start timeout $(left 400) python3 -m launcher.bench --seq 4096 --skip-target --skip-drafter \
+                --skip-baseline --no-mix --e2e-topology t1d2 --e2e-steps 10 --e2e-timeout 380 --work-dir /tmp/ws \
+                --out "$OUT/warm_start.json"
+              grep -h "warm-up compiled" /tmp/ws/e2e-full/logs/*.log ;;
+  adamw) stage adamw timeout $(left 150) python3 scripts/adamw_bench.py --out "$OUT/adamw.json" ;;
   gpu-tests) stage gpu_tests timeout $(left 400) python3 -m pytest -q -s -p no:cacheprovider -m gpu tests ;;
   incident) stage incident timeout $(left 580) python3 -m launcher.bench --shape qwen3-27b --seq 4096 \
               --no-mix --skip-e2e --skip-baseline --e2e-topology t5d3 --work-dir /tmp/b27 --out "$OUT/incident.json" ;;

@@ -1,9 +1,14 @@
 """Per-process compile isolation: one process publishes its compiled artefacts, another process with
-its own cache dir loads them and compiles nothing (an FX-graph cache hit)."""
+its own cache dir loads them and compiles nothing (an FX-graph cache hit); and each process sees only
+its own GPU, as cuda:0, so those artefacts hit on every GPU of a node."""
 import os
 import subprocess
 import sys
 
+import pytest
+import torch
+
+from launcher.distributed.isolation import check_own_gpu, own_gpu
 from tests.launching import REPO
 
 _PROGRAM = """
@@ -36,3 +41,35 @@ def test_published_artefacts_spare_another_process_the_compile(tmp_path):
     assert list((tmp_path / "shared").glob("drafter-*.bin"))
     assert _compile_in_a_fresh_process(tmp_path, tmp_path / "other") == (True, 1, 0)
     assert not (tmp_path / "builder").samefile(tmp_path / "other")
+
+
+# ------------------------------------------------------------------ one GPU per process, as cuda:0
+def _own_gpu_of(monkeypatch, local_rank, host_gpus, visible=None, setting="auto"):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: host_gpus)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    return own_gpu(local_rank, setting), os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def test_each_process_sees_its_own_gpu_only(monkeypatch):
+    # Every local rank keeps one GPU, round-robin when ranks outnumber GPUs, and sees it as cuda:0.
+    assert [_own_gpu_of(monkeypatch, rank, 4) for rank in range(6)] == [
+        (("0", 4), "0"), (("1", 4), "1"), (("2", 4), "2"), (("3", 4), "3"), (("0", 4), "0"), (("1", 4), "1")]
+    # A job given some of the host's GPUs picks among those, by position.
+    assert _own_gpu_of(monkeypatch, 1, 3, visible="2,5,7") == (("5", 3), "5")
+    assert _own_gpu_of(monkeypatch, 0, 1, visible="GPU-8c1f") == (("GPU-8c1f", 1), "GPU-8c1f")
+
+
+def test_no_gpu_or_cpu_setting_leaves_the_environment_alone(monkeypatch):
+    assert _own_gpu_of(monkeypatch, 1, 0) == ((None, 0), None)
+    assert _own_gpu_of(monkeypatch, 1, 4, visible="0,1,2,3", setting="cpu") == ((None, 0), "0,1,2,3")
+
+
+def test_a_process_whose_cuda_started_too_early_is_stopped(monkeypatch):
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", lambda: 4, raising=False)
+    with pytest.raises(RuntimeError, match=r"sees 4 GPUs where it should see only its own \(2\)"):
+        check_own_gpu("2")
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", lambda: 1, raising=False)
+    check_own_gpu("2")

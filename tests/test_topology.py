@@ -20,6 +20,14 @@ def test_topology_not_fitting_world_names_both():
     assert "topology=t1d2" in str(err.value) and "WORLD_SIZE=2" in str(err.value)
 
 
+def test_topology_without_a_world_takes_the_specs_own():
+    # The bench's launches on one GPU: the ranks share it, so the spec alone decides the world.
+    topo = parse_topology("t1d2", None)
+    assert (topo.num_targets, topo.num_drafters, topo.world_size) == (1, 2, 3)
+    with pytest.raises(ConfigError, match="topology=auto needs WORLD_SIZE"):
+        parse_topology("auto", None)
+
+
 @pytest.mark.parametrize("spec", ["t0d2", "t2d0", "x1d1", "t1", "1d1"])
 def test_topology_malformed(spec):
     with pytest.raises(ConfigError, match="topology"):

@@ -225,7 +225,8 @@ def run(args) -> dict:
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="dflash-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     procs = 2 if not cuda else num_gpus
-    e2e_topology = parse_topology(args.e2e_topology or f"t1d{max(procs - 1, 1)}", max(procs, 2), 1)
+    e2e_topology = parse_topology(args.e2e_topology or f"t1d{max(procs - 1, 1)}",
+                                  None if args.e2e_topology and procs < 2 else max(procs, 2), 1)
     shape_name = "tiny" if args.tiny else args.shape
     progress(f"torch {torch.__version__}, device {device_name}, {num_gpus} GPU(s), {shape_name} shapes, "
              f"S={args.seqs}, mix S={args.mix_seq}, work dir {work}")
@@ -240,16 +241,15 @@ def run(args) -> dict:
     extra = ([] if cuda else ["run.device=cpu"]) + list(args.overrides)   # --tiny on a GPU stays on the CPU
     cfg = compose_config(run_overrides(data_path=data_path, seq_len=max(args.seqs + [args.mix_seq]),
                                        steps=args.warmup + args.steps, **over) + extra)
-    # The drafter stage compiles into the cache dir of the end-to-end runs' first drafter, on that rank's
-    # GPU (inductor's graph keys include the device index), so those runs start warm: a cold compile
-    # costs minutes at the 8B shape.
+    # The drafter stage compiles into the cache dir of the end-to-end runs' first drafter, on cuda:0 (each
+    # launched process sees its own GPU as cuda:0, and inductor's graph keys name the index), so those
+    # runs start warm.
     first_drafter = e2e_topology.num_targets
-    drafter_device = torch.device("cuda", first_drafter) if cuda and num_gpus > first_drafter else device
-    isolate("drafter", first_drafter, 1, work / "compile_cache", drafter_device, cfg.isolation.recompile_limit,
+    isolate("drafter", first_drafter, 1, work / "compile_cache", device, cfg.isolation.recompile_limit,
             cfg.isolation.compile_threads)
     if args.tiny:   # tiny shapes on cores other jobs share: more threads only spin (50x slower on 2 busy cores)
         torch.set_num_threads(1)
-    job = resolve(cfg, Topology(num_targets=0, num_drafters=1), drafter_device)   # one drafter rank
+    job = resolve(cfg, Topology(num_targets=0, num_drafters=1), device)   # one drafter rank
     dcfg, hf_config = job.drafter, job.target.hf_config
     meta = {"torch": torch.__version__, "device": device_name, "num_gpus": num_gpus, "tiny": args.tiny,
             "shape_name": shape_name, "seqs": args.seqs, "mix_seq": args.mix_seq, "anchors": args.anchors,
@@ -281,12 +281,15 @@ def run(args) -> dict:
         lambda workloads: drafter_stage(job, workloads, work=work, warmup=args.warmup, steps=args.steps,
                                         ceiling=ceiling),
         full, mixes, "skipped (--skip-drafter)" if args.skip_drafter else None)
-    _free(drafter_device)
+    _free(device)
     rates = {**(load_stage_rates(Path(args.stage_rates)) if args.stage_rates else {}),
              **stage_rates(target_rows + drafter_rows)}
 
+    # One GPU runs the end-to-end rows only when asked for (--e2e-topology): its ranks share the GPU over
+    # gloo, which says nothing of pipeline efficiency but does time start-up and compiling.
     e2e_skipped = ("skipped (--skip-e2e)" if args.skip_e2e
-                   else f"skipped: needs >= 2 GPUs, found {num_gpus}" if procs < 2 else None)
+                   else f"skipped: needs >= 2 GPUs, found {num_gpus}" if procs < 2 and not args.e2e_topology
+                   else None)
 
     def measure_e2e(mode: str, data: Path, seq_len: int, packing: list[str]):
         progress(f"end to end, {mode}: {e2e_topology.spec} on {procs} {'GPUs' if cuda else 'CPU processes'}, "

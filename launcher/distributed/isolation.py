@@ -24,6 +24,35 @@ class Isolation:
     device: torch.device
 
 
+def own_gpu(local_rank: int, device_setting: str) -> tuple[str | None, int]:
+    """Make this process see one GPU, its own, as cuda:0 -> (that GPU as the host names it, how many GPUs
+    the host offered this job). (None, 0) with no GPU or on `run.device=cpu`.
+
+    Why: inductor's cache keys name the device index, so a graph compiled on cuda:3 misses on cuda:5.
+    With every process on cuda:0 the artefacts one drafter publishes hit on every GPU of the node, and on
+    the GPUs of later runs. NCCL finds its peers by bus id, not by index. Ranks share GPUs round-robin
+    when there are fewer GPUs than ranks. It must run before anything in the process initialises CUDA
+    (`check_own_gpu` says so when something did); counting GPUs through NVML does not."""
+    if device_setting == "cpu":
+        return None, 0
+    count = torch.cuda.device_count()
+    if count == 0:
+        return None, 0
+    given = os.environ.get("CUDA_VISIBLE_DEVICES")
+    entries = given.split(",")[:count] if given else [str(index) for index in range(count)]
+    gpu = entries[local_rank % count].strip()
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    return gpu, count
+
+
+def check_own_gpu(gpu: str) -> None:
+    """After CUDA started: this process must see only its own GPU, or every rank would run on one."""
+    seen = torch._C._cuda_getDeviceCount()
+    if seen != 1:
+        raise RuntimeError(f"this process sees {seen} GPUs where it should see only its own ({gpu}): CUDA was "
+                           f"initialised before the launcher set CUDA_VISIBLE_DEVICES={gpu}")
+
+
 def _usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -54,11 +83,10 @@ def isolate(role: str, rank: int, local_world: int, cache_root: Path, device: to
 class CompileShare:
     """Compiled artefacts (torch.compiler's cache artefacts: graphs, AOT code, Triton kernels) that one
     drafter per node builds and publishes as one file, which the node's other drafters, and later
-    runs with the same compile settings, load into their OWN cache dirs before they compile. On the
-    builder's GPU index every graph is found; inductor's graph keys include the device index, so on
-    another index the graphs are lowered again but the Triton kernels, the slow part of a cold
-    compile, are found. No two processes ever write one cache: the file is written atomically by
-    its builder and only read by the others."""
+    runs with the same compile settings, load into their OWN cache dirs before they compile. Every
+    process sees its GPU as cuda:0 (`own_gpu`), so every graph is found on every GPU of the node. No
+    two processes ever write one cache: the file is written atomically by its builder and only read
+    by the others."""
 
     def __init__(self, cache_root: Path, key: dict):
         digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]

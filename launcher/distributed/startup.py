@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from launcher.config import config_hash, config_yaml
 from launcher.context import Context
 from launcher.distributed.heartbeat import StartupProgress
-from launcher.distributed.isolation import isolate
+from launcher.distributed.isolation import check_own_gpu, isolate, own_gpu
 from launcher.distributed.topology import Topology, build_groups
 from launcher.resolve import Job, ensure_embedded_target, resolve, resolve_device
 from launcher.roles.fault import maybe_fail_at_stage
@@ -45,9 +45,9 @@ class ProcessEnv:
                    get("TORCHELASTIC_RESTART_COUNT", 0))
 
 
-def _backend_for(device: torch.device, env: ProcessEnv) -> str:
+def _backend_for(device: torch.device, host_gpus: int, env: ProcessEnv) -> str:
     # NCCL cannot put two ranks on one GPU: share GPUs over gloo (payloads travel through host memory).
-    return "nccl" if device.type == "cuda" and torch.cuda.device_count() >= env.local_world else "gloo"
+    return "nccl" if device.type == "cuda" and host_gpus >= env.local_world else "gloo"
 
 
 def _agree_on_run_dir(cfg: DictConfig, env: ProcessEnv, control) -> Path:
@@ -113,10 +113,12 @@ def start_process(cfg: DictConfig, overrides: list[str], topo: Topology, env: Pr
         # One host: gloo (the control plane, and the channel on CPU) must not pick an interface
         # by hostname lookup, which in some VMs resolves to an address the host cannot reach.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    device = resolve_device(cfg.run.device, "run.device", env.local_rank)
-    backend = _backend_for(device, env)
+    gpu, host_gpus = own_gpu(env.local_rank, cfg.run.device)
+    device = resolve_device(cfg.run.device, "run.device")
+    backend = _backend_for(device, host_gpus, env)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        check_own_gpu(gpu)
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.run.timeout_s),
                             device_id=device if backend == "nccl" else None)
     groups = build_groups(topo, env.rank, cfg.run.timeout_s)
@@ -126,12 +128,12 @@ def start_process(cfg: DictConfig, overrides: list[str], topo: Topology, env: Pr
     setup_logging(tag, logging.INFO if lead else logging.WARNING, run_dir / "logs" / f"{tag}.log")
     _check_same_config(cfg, groups.control)
     layout = [None] * env.world
-    dist.all_gather_object(layout, this_rank(env.rank, role, device), group=groups.control)
+    dist.all_gather_object(layout, this_rank(env.rank, role, device, gpu), group=groups.control)
     record = provenance(overrides, layout)
     iso = isolate(role, env.rank, env.local_world, Path(cfg.isolation.cache_root or run_dir / "compile_cache"),
                   device, cfg.isolation.recompile_limit, cfg.isolation.compile_threads)
-    log.info("pid %d role %s rank %d/%d device %s backend %s threads %d compile cache %s", iso.pid, role, env.rank,
-             env.world, device, backend, iso.threads, iso.cache_dir)
+    log.info("pid %d role %s rank %d/%d device %s (host GPU %s) backend %s threads %d compile cache %s", iso.pid,
+             role, env.rank, env.world, device, gpu, backend, iso.threads, iso.cache_dir)
     # One builder per node (nodes need not share a filesystem); the build is atomic and idempotent.
     if env.local_rank == 0:
         progress.stage("preparing_target")

@@ -52,11 +52,12 @@ class Topology:
         return self.num_targets
 
 
-def parse_topology(spec: str, world_size: int, tp_size: int = 1) -> Topology:
-    """`t<T>d<D>` or `auto`; a spec that does not fit the world is an error before anything loads."""
+def parse_topology(spec: str, world_size: int | None, tp_size: int = 1) -> Topology:
+    """`t<T>d<D>` or `auto`; a spec that does not fit the world is an error before anything loads.
+    world_size None: the spec's own (the bench's launches on fewer GPUs than ranks)."""
     spec = str(spec)
     if spec == "auto":
-        if world_size < 2:
+        if world_size is None or world_size < 2:
             raise ConfigError(f"topology=auto needs WORLD_SIZE >= 2 (one target, one drafter), got {world_size}")
         topo = Topology(tp_size, world_size - tp_size, tp_size)
     else:
@@ -66,7 +67,7 @@ def parse_topology(spec: str, world_size: int, tp_size: int = 1) -> Topology:
         topo = Topology(int(match[1]), int(match[2]), tp_size)
         if topo.num_targets < 1 or topo.num_drafters < 1:
             raise ConfigError(f"topology={spec}: needs at least one target and one drafter rank")
-        if topo.world_size != world_size:
+        if world_size is not None and topo.world_size != world_size:
             raise ConfigError(
                 f"topology={spec} needs {topo.world_size} processes ({topo.num_targets} target + "
                 f"{topo.num_drafters} drafter) but WORLD_SIZE={world_size}: run torchrun with "

@@ -47,9 +47,9 @@ def _compile_share(ctx: Context) -> CompileShare:
 
 
 def _warm_up(ctx: Context, trainer: DrafterTrainer) -> float | None:
-    """Compile the step before the stream starts. Compiled artefacts published earlier (by this
-    run's node builder, or by any earlier run with the same compile settings) are loaded first, so
-    only one drafter per node, once, compiles cold."""
+    """Compile the step before the stream starts -> seconds of compiling (not of waiting for the
+    builder). Compiled artefacts published earlier (by this run's node builder, or by any earlier run
+    with the same compile settings) are loaded first, so only one drafter per node, once, compiles cold."""
     shape = ctx.job.compile.warm_up_shape
     if shape is None:
         return None
@@ -59,12 +59,14 @@ def _warm_up(ctx: Context, trainer: DrafterTrainer) -> float | None:
     builder = share is not None and ctx.rank == _node_builder(ctx)
     loaded = share is not None and (share.load() if builder else
                                     share.wait_and_load(ctx.cfg.run.startup_timeout_s))
+    waited = time.perf_counter() - started
     trainer.warm_up(*shape, ctx.job.schedule.eval_batches > 0)
     if builder and not loaded:
         log.info("published compiled artefacts: %s", share.publish())
-    seconds = time.perf_counter() - started
+    seconds = time.perf_counter() - started - waited
     log.info("warm-up compiled the step for [%d, %d] in %.1fs (graphs: %d; %s)", *shape, seconds, compile_count(),
-             "loaded published artefacts" if loaded else "cold" if share else "not compiled")
+             f"loaded published artefacts, {waited:.1f}s to wait for and load them" if loaded
+             else "cold" if share else "not compiled")
     return seconds
 
 

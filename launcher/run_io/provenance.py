@@ -54,10 +54,11 @@ def library_versions() -> dict:
     return versions
 
 
-def this_rank(rank: int, role: str, device) -> dict:
-    """One rank's line of the layout (gathered over the control group)."""
+def this_rank(rank: int, role: str, device, gpu: str | None) -> dict:
+    """One rank's line of the layout (gathered over the control group). gpu: the host's name for the one
+    GPU this process sees as its device (launcher/distributed/isolation.py, own_gpu)."""
     return {"rank": rank, "role": role, "host": socket.gethostname(), "pid": os.getpid(),
-            "local_rank": int(os.environ.get("LOCAL_RANK", 0)), "device": str(device)}
+            "local_rank": int(os.environ.get("LOCAL_RANK", 0)), "device": str(device), "gpu": gpu}
 
 
 def _command() -> str:
