@@ -67,11 +67,15 @@ def compile_count(name: str | None = None) -> int:
 
 
 def report() -> dict:
-    """Per callable: graphs and seconds of the calls that compiled them; plus dynamo's and
-    inductor's own phase timers (seconds summed over the process), where the time inside a
-    compile went (e.g. `async_compile.precompile`: Triton kernels; `compile_fx.<locals>.bw_compiler`)."""
+    """Per callable: graphs and seconds of the calls that compiled them; dynamo's and inductor's
+    own phase timers (seconds summed over the process), where the time inside a compile went (e.g.
+    `async_compile.precompile`: Triton kernels; `compile_fx.<locals>.bw_compiler`); and what the
+    process's caches answered (a warm start that still traces a joint graph missed the AOT cache)."""
     from torch._dynamo.utils import compilation_time_metrics
     phases = {name: round(sum(times), 3) for name, times in compilation_time_metrics.items() if times}
+    caches = {f"{group}.{name}": count
+              for group, prefix in (("aot_autograd", "autograd_cache_"), ("inductor", "fxgraph_cache_"))
+              for name, count in counters[group].items() if name.startswith(prefix)}
     return {"graphs": {name: fn.graphs for name, fn in _REGISTRY.items()},
             "seconds": {name: round(fn.seconds, 3) for name, fn in _REGISTRY.items()},
-            "phases": dict(sorted(phases.items(), key=lambda kv: -kv[1]))}
+            "phases": dict(sorted(phases.items(), key=lambda kv: -kv[1])), "caches": caches}

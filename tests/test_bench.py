@@ -380,7 +380,7 @@ def test_drafter_and_target_rows_on_padded_and_packed_mixes(tmp_path, tiny_job):
     for r in drafter:   # blocks/s is the fill of the anchor slots per second, and MFU follows step time
         assert r["supervised_blocks_per_s"] == pytest.approx(r["anchor_fill"] * 8 * r["samples_per_s"])
         assert r["mfu"] == pytest.approx(r["flops_per_step"] / (r["ms_per_step"] / 1e3) / 1e12)
-        assert r["compiles_stable"] and set(r["compile_report"]) == {"graphs", "seconds", "phases"}
+        assert r["compiles_stable"] and set(r["compile_report"]) == {"graphs", "seconds", "phases", "caches"}
     target = target_stage(tiny_job.target.hf_config, tiny_job.target.layer_ids, tiny_job.device, tiny_job.target.dtype,
                           workloads, warmup=1, reps=3, ceiling=None)
     assert [r["mode"] for r in target] == ["full", "padded", "packed"] and "full_forward_ms" in target[0]
