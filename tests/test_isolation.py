@@ -26,6 +26,39 @@ print(loaded, counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["f
 """
 
 
+_DDP_PROGRAM = """
+import sys, tempfile, torch, torch.distributed as dist
+from pathlib import Path
+from torch._dynamo.utils import counters
+from launcher.distributed.isolation import isolate
+isolate("drafter", 0, 1, Path(sys.argv[1]), torch.device("cpu"), 8, 1)
+dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+
+class Net(torch.nn.Module):   # a compiled region called inside DDP's forward, as the drafter's layers are
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(512, 512), torch.nn.Linear(512, 512)
+        self.layer = torch.compile(lambda x: self.b(torch.relu(self.a(x))))
+
+    def forward(self, x):
+        return self.layer(x)
+
+net = torch.nn.parallel.DistributedDataParallel(Net(), bucket_cap_mb=1)   # one bucket per Linear
+net(torch.randn(4, 512)).sum().backward()
+print(counters["aot_autograd"]["autograd_cache_bypass"], counters["aot_autograd"]["autograd_cache_saved"])
+"""
+
+
+def test_compiled_regions_under_ddp_stay_cacheable(tmp_path):
+    # DDP's graph splitting would cut the region at the bucket boundary, and the AOT-autograd cache
+    # refuses the pieces: every warm start of a data-parallel drafter would trace them again.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_VEC_ISA_OK": "1"}
+    out = subprocess.run([sys.executable, "-c", _DDP_PROGRAM, str(tmp_path)], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=300, check=True)
+    bypassed, saved = map(int, out.stdout.split()[-2:])
+    assert (bypassed, saved) == (0, 1)
+
+
 def _compile_in_a_fresh_process(root, cache_dir):
     # VEC_ISA_OK: skip inductor's per-cache-dir compiler probes for every SIMD flavour (~8 s of g++ in each
     # fresh process); only the CPU's own flags are used either way, and the FX-graph cache is what is tested.
