@@ -6,7 +6,7 @@
 fp32 parameters, gradients and moments: the update reads 16 and writes 12 bytes per parameter,
 so its floor is 28 bytes x parameters / the HBM bandwidth (4.8 TB/s on H200). Variants:
   fused        torch.optim.AdamW(fused=True) with grad_scale and found_inf tensors (the trainer's)
-  fused_flat   the same on one flat parameter (every weight a view of one buffer): fewer tensors
+  fused_flat   the same on one flat parameter as large as all the weights: one tensor instead of 58
   compiled     torch.compile of a capturable foreach AdamW step with a tensor learning rate (no recompiles)
   overlapped   the fused update on a side stream while the compute stream runs the next step's forward
                GEMMs (layer shapes, 8192 query rows): how much of the update such an overlap would hide"""
@@ -24,17 +24,14 @@ def drafter_shapes(hidden=4096, kv=1024, inter=12288, head_dim=128, layers=5, fe
     return layer * layers + [(hidden, features * hidden), (hidden,), (hidden,)]
 
 
-def _params(shapes, device, flat: bool):
-    total = sum(torch.Size(s).numel() for s in shapes)
-    if not flat:
-        return [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
-    buffer = torch.randn(total, device=device) * 0.02
-    views, offset = [], 0
-    for s in shapes:
-        n = torch.Size(s).numel()
-        views.append(buffer[offset:offset + n].view(s))
-        offset += n
-    return [torch.nn.Parameter(buffer)], views
+def _params(shapes, device, flat: bool) -> list[torch.nn.Parameter]:
+    """Parameters of `shapes` with gradients; flat: one parameter as large as all of them."""
+    sizes = [torch.Size(s) for s in shapes]
+    params = ([torch.nn.Parameter(torch.randn(sum(s.numel() for s in sizes), device=device) * 0.02)] if flat
+              else [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in sizes])
+    for param in params:
+        param.grad = torch.randn_like(param)
+    return params
 
 
 def _timed(step, device, reps: int) -> float:
@@ -52,8 +49,6 @@ def _overlapped(shapes, device, reps: int, report) -> None:
     """GEMMs of one forward's worth (bf16, the 2-D weights of `shapes` applied to 8192 rows) alone, the
     fused update alone, and both at once on two streams."""
     params = _params(shapes, device, False)
-    for p in params:
-        p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
     weights = [torch.randn(s, device=device, dtype=torch.bfloat16) for s in shapes if len(s) == 2]
     rows = torch.randn(8192, max(w.shape[1] for w in weights), device=device, dtype=torch.bfloat16)
@@ -98,9 +93,6 @@ def main() -> None:
     scale, skip = torch.tensor(2.0, device=device), torch.tensor(0.0, device=device)
     for name, flat in (("fused", False), ("fused_flat", True)):
         params = _params(shapes, device, flat)
-        params = params[0] if flat else params
-        for p in params:
-            p.grad = torch.randn_like(p)
         opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
         opt.grad_scale, opt.found_inf = scale, skip
         report(name, _timed(opt.step, device, args.reps), tensors=len(params))
@@ -109,8 +101,6 @@ def main() -> None:
     _overlapped(shapes, device, args.reps, report)
 
     params = _params(shapes, device, False)
-    for p in params:
-        p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(params, lr=torch.tensor(1e-4, device=device), weight_decay=0.01, foreach=True,
                             capturable=True)
     multiplier = torch.tensor(0.5, device=device)

@@ -52,20 +52,21 @@ print(counters["aot_autograd"]["autograd_cache_bypass"], counters["aot_autograd"
 def test_compiled_regions_under_ddp_stay_cacheable(tmp_path):
     # DDP's graph splitting would cut the region at the bucket boundary, and the AOT-autograd cache
     # refuses the pieces: every warm start of a data-parallel drafter would trace them again.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_VEC_ISA_OK": "1"}
-    out = subprocess.run([sys.executable, "-c", _DDP_PROGRAM, str(tmp_path)], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=300, check=True)
-    bypassed, saved = map(int, out.stdout.split()[-2:])
+    bypassed, saved = map(int, _run_in_a_fresh_process(_DDP_PROGRAM, tmp_path).split()[-2:])
     assert (bypassed, saved) == (0, 1)
 
 
-def _compile_in_a_fresh_process(root, cache_dir):
-    # VEC_ISA_OK: skip inductor's per-cache-dir compiler probes for every SIMD flavour (~8 s of g++ in each
-    # fresh process); only the CPU's own flags are used either way, and the FX-graph cache is what is tested.
+def _run_in_a_fresh_process(program: str, *args) -> str:
+    """`program`'s standard output. VEC_ISA_OK: skip inductor's per-cache-dir compiler probes for every
+    SIMD flavour (~8 s of g++ in each fresh process); only the CPU's own flags are used either way, and
+    the caches are what is tested."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_VEC_ISA_OK": "1"}
-    out = subprocess.run([sys.executable, "-c", _PROGRAM, str(root), str(cache_dir)], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=300, check=True)
-    loaded, hits, misses = out.stdout.split()
+    return subprocess.run([sys.executable, "-c", program, *map(str, args)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300, check=True).stdout
+
+
+def _compile_in_a_fresh_process(root, cache_dir):
+    loaded, hits, misses = _run_in_a_fresh_process(_PROGRAM, root, cache_dir).split()
     return loaded == "True", int(hits), int(misses)
 
 
