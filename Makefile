@@ -1,5 +1,6 @@
 # Two commands set everything up on a fresh machine: `make train` and `make test`.
 PYTHON ?= python3
+comma := ,
 GPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 RUN_DIR ?= runs/$(shell date +%Y%m%d-%H%M%S)
 # The embedded default: the tiny target and bundled chats (conf defaults), trained long enough
@@ -29,7 +30,7 @@ install: .installed
 	@if ! $(PYTHON) -c "import torch" 2>/dev/null; then \
 	  if [ "$(GPUS)" = "0" ]; then $(PYTHON) -m pip install torch==2.13.0; \
 	  else $(PYTHON) -m pip install 'torch>=2.11'; fi; fi
-	$(PYTHON) -m pip install -e '.[test]'
+	$(PYTHON) -m pip install -e '.[test$(if $(filter 0,$(GPUS)),,$(comma)flash)]'
 	@touch .installed
 
 train: install

@@ -1,14 +1,19 @@
-"""DFlash attention masks and the two attention backends that share them.
+"""DFlash attention masks and the attention backends that share them.
 
 Layout of one attention call (per batch row):
     Q axis:  [block_0 | block_1 | ... | block_{N-1}]          N * Bs queries
     KV axis: [context 0..S-1 | block_0 | ... | block_{N-1}]   S + N * Bs keys
 
-Who sees what is defined once, by `query_intervals`: every query sees one interval of context
-keys and one interval of its own block's keys. Both backends use it through `make_mask_mod`:
+Who sees what is defined by `query_intervals`: every query sees one interval of context keys
+and one interval of its own block's keys. `make_mask_mod` states the same rules as per-block
+gathers and comparisons (tests hold the two equal), and every backend uses it:
   - "flex": torch.compile'd flex_attention with a BlockMask built directly from the intervals
     (`interval_block_mask`: a few eager ops per micro-batch, nothing compiled, no dense
-    [Q, KV] mask); tiles the intervals only partly cover apply the mask_mod;
+    [Q, KV] mask); tiles the intervals only partly cover apply the mask_mod. Inductor's Triton
+    kernels run it;
+  - "flash": the same flex_attention call and BlockMask run by flash-attn-4's CuTe kernels
+    (flex's FLASH backend: FA3-class on Hopper, 1.6x the Triton kernels on this mask,
+    docs/perf_notes.md). Needs the `flash` extra and a GPU of compute capability 9.0 or newer;
   - "sdpa": dense reference that evaluates the mask_mod on broadcast index grids and calls
     F.scaled_dot_product_attention (CPU training, tests).
 
@@ -17,6 +22,8 @@ index of each block's document. Document ids are data, not shape, so one compile
 packed and unpacked rows alike.
 """
 
+import importlib
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -24,8 +31,10 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from .compile import compiled_function
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
-BACKENDS = ("auto", "flex", "sdpa")
+BACKENDS = ("auto", "flex", "flash", "sdpa")
+FLEX_BACKENDS = ("flex", "flash")  # the flex_attention call with a BlockMask, by its kernels
 TILE = 128  # flex_attention's default sparse block (tile) size, on both axes
+_PADDED_ROWS = 256  # query rows of the largest kernel tile (FLASH: 2 x 128 on Hopper)
 
 
 def block_doc_starts(anchors, position_ids=None):
@@ -80,15 +89,40 @@ def _layer_window(layer_type, window):
 def make_mask_mod(anchors, keep, *, context_len, block_size, layer_type, window=None, doc_starts=None):
     """Return mask_mod(b, h, q_idx, kv_idx) -> bool for blocks anchored at `anchors` [B, N]
     (documents starting at `doc_starts` [B, N], zeros when None): kv lies in one of the
-    query's `query_intervals`."""
+    query's `query_intervals`.
+
+    The per-block bounds are computed here, once, and the mask_mod only gathers them at the
+    query's block and compares: no min, max or clamp, which the CuTe code generator behind
+    flex's FLASH kernels lacks (torch 2.11). A bound that would be a max (sliding windows) is
+    one more comparison instead. The bounds cover every query row a kernel may evaluate (up to
+    a multiple of `_PADDED_ROWS`) with dead blocks, so padded rows gather in bounds and see nothing."""
     window = _layer_window(layer_type, window)
     if doc_starts is None:
         doc_starts = torch.zeros_like(anchors)
+    batch, num_blocks = anchors.shape
+    padded_blocks = -(-(-(-num_blocks * block_size // _PADDED_ROWS) * _PADDED_ROWS) // block_size)
+
+    def per_block(values, dead):
+        values = torch.where(keep, values, dead).to(torch.int32)
+        return torch.cat([values, values.new_full((batch, padded_blocks - num_blocks), dead)], dim=1)
+
+    own_starts = context_len + block_size * torch.arange(num_blocks, device=anchors.device)
+    kv_len = context_len + num_blocks * block_size
+    ctx_lo = per_block(doc_starts, 0)
+    ctx_hi = per_block(anchors.clamp(max=context_len), 0)          # dead: [0, 0) is empty
+    own_lo = per_block(own_starts.expand_as(anchors), kv_len)      # dead: starts past every key
+    anchor = per_block(anchors, 0)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        live, ctx_lo, ctx_hi, blk_lo, blk_hi = query_intervals(
-            b, q_idx, anchors, keep, doc_starts, context_len=context_len, block_size=block_size, window=window)
-        return live & (((ctx_lo <= kv_idx) & (kv_idx < ctx_hi)) | ((blk_lo <= kv_idx) & (kv_idx < blk_hi)))
+        block = q_idx // block_size
+        lo = own_lo[b, block]
+        in_context = (ctx_lo[b, block] <= kv_idx) & (kv_idx < ctx_hi[b, block])
+        if window is None:
+            return in_context | ((lo <= kv_idx) & (kv_idx < lo + block_size))
+        q_off = q_idx % block_size
+        oldest = q_off - (window - 1)  # the oldest visible key, relative to the anchor
+        in_window = in_context & (kv_idx >= anchor[b, block] + oldest)
+        return in_window | ((lo <= kv_idx) & (kv_idx <= lo + q_off) & (kv_idx - lo >= oldest))
 
     return mask_mod
 
@@ -164,11 +198,32 @@ def interval_block_mask(anchors, keep, doc_starts, *, context_len, block_size, w
 _compiled_flex_attention = compiled_function("flex_attention", flex_attention)
 
 
+def flash_unavailable(device) -> str | None:
+    """Why flex's FLASH kernels cannot run on `device`, or None when they can."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return f"it needs a CUDA GPU, not {device}" if device.type != "cuda" else "no CUDA GPU is available"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        return f"it needs compute capability 9.0 or newer (Hopper), this GPU has {major}.{minor}"
+    try:  # an optional dependency: flex imports it when it lowers a FLASH call
+        importlib.import_module("flash_attn.cute")
+    except ImportError as error:
+        return f"flash-attn-4 is not installed ({error}); pip install 'dflash-launcher[flash]'"
+    return None
+
+
 def resolve_backend(backend, device):
+    """auto: sdpa on CPU; on a GPU flash where it can run, else flex. An explicit flash that
+    cannot run is an error, never a quiet switch to another kernel."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
-        return "flex" if torch.device(device).type == "cuda" else "sdpa"
+        if torch.device(device).type != "cuda":
+            return "sdpa"
+        return "flex" if flash_unavailable(device) else "flash"
+    if backend == "flash" and (reason := flash_unavailable(device)):
+        raise ValueError(f"attention backend 'flash' cannot run here: {reason}")
     return backend
 
 
@@ -187,18 +242,21 @@ def build_attention_mask(anchors, keep, *, context_len, block_size, layer_type, 
                                window=_layer_window(layer_type, window), mask_mod=mask_mod)
 
 
-def attend(q, k, v, mask):
-    """q [B, Hq, Q, D], k/v [B, Hkv, KV, D] (GQA when Hkv < Hq) -> [B, Hq, Q, D].
-    Rows that see no key return exactly 0 on both backends."""
+def attend(q, k, v, mask, backend="flex"):
+    """q [B, Hq, Q, D], k/v [B, Hkv, KV, D] (GQA when Hkv < Hq) -> [B, Hq, Q, D], by the resolved
+    `backend` the mask was built for. Rows that see no key return exactly 0 on every backend."""
     if isinstance(mask, BlockMask):
+        options = {"BACKEND": "FLASH"} if backend == "flash" else None
         if torch.compiler.is_compiling():  # traced into a compiled drafter layer
-            return flex_attention(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+            return flex_attention(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1],
+                                  kernel_options=options)
         if q.device.type == "cpu" and torch.is_grad_enabled() and any(
                 t.requires_grad for t in (q, k, v)):
             # CPU flex has no backward, and a compiled call with grad-requiring inputs makes
             # dynamo skip the function for the rest of the process. Fail loudly instead.
             raise RuntimeError("flex backend has no backward on CPU; use backend='sdpa'")
-        return _compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        return _compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1],
+                                        kernel_options=options)
     # Expand KV heads rather than enable_gqa: SDPA's memory-efficient CUDA kernel takes a
     # mask but not GQA, and the math fallback would store [B, H, Q, KV] scores.
     group = q.shape[1] // k.shape[1]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import LAYER_TYPES, attend, build_attention_mask
+from .attention import LAYER_TYPES, attend, build_attention_mask, resolve_backend
 from .compile import compiled_function
 
 
@@ -194,15 +194,16 @@ class DrafterAttention(nn.Module):
         k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), *rope)
         return k, self._heads(self.v_proj(x), self.num_kv_heads)
 
-    def forward(self, h, context_kv, rope, mask):
+    def forward(self, h, context_kv, rope, mask, backend="flex"):
         """h [B, Q, H] block states (normed); context_kv: the context's keys and values from
-        `keys_values`; rope: the block positions' cos/sin -> [B, Q, H]. Queries come from the
-        block only, keys and values from [context | block]."""
+        `keys_values`; rope: the block positions' cos/sin; mask and its resolved backend from
+        `build_attention_mask` -> [B, Q, H]. Queries come from the block only, keys and values
+        from [context | block]."""
         q = apply_rope(self.q_norm(self._heads(self.q_proj(h), self.num_heads)), *rope)
         block_k, block_v = self.keys_values(h, rope)
         k = torch.cat([context_kv[0], block_k], dim=2)
         v = torch.cat([context_kv[1], block_v], dim=2)
-        out = attend(q, k, v, mask)
+        out = attend(q, k, v, mask, backend)
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
@@ -225,15 +226,15 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, context_kv, rope, mask):
+    def forward(self, h, context_kv, rope, mask, backend="flex"):
         # The context is already normalised by hidden_norm: only the block goes through
         # input_layernorm.
-        h = h + self.self_attn(self.input_layernorm(h), context_kv, rope, mask)
+        h = h + self.self_attn(self.input_layernorm(h), context_kv, rope, mask, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-def _layer_over_context(layer, h, ctx, context_rope, rope, mask):
-    return layer(h, layer.self_attn.keys_values(ctx, context_rope), rope, mask)
+def _layer_over_context(layer, h, ctx, context_rope, rope, mask, backend):
+    return layer(h, layer.self_attn.keys_values(ctx, context_rope), rope, mask, backend)
 
 
 # One compiled graph serves every layer instance (dynamo inlines nn.Modules, so parameters are
@@ -280,6 +281,7 @@ class DFlashDrafter(nn.Module):
         compilation per process, packed or not)."""
         cfg = self.config
         batch, context_len, _ = context_features.shape
+        backend = resolve_backend(backend, anchors.device)
         if not torch.is_autocast_enabled(context_features.device.type):
             # Without autocast, compute in the parameter dtype (features arrive in bf16).
             context_features = context_features.to(self.fc.weight.dtype)
@@ -308,5 +310,5 @@ class DFlashDrafter(nn.Module):
             # gradient: a second compiled graph. ~0.4 GFLOP x blocks of input-gradient work spares it.
             h = h.detach().requires_grad_()
         for layer, layer_type in zip(self.layers, cfg.layer_types):
-            h = run_layer(layer, h, ctx, context_rope, rope, masks[layer_type])
+            h = run_layer(layer, h, ctx, context_rope, rope, masks[layer_type], backend)
         return self.norm(h)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from dflash_core.attention import resolve_backend
+from dflash_core.attention import FLEX_BACKENDS, resolve_backend
 from dflash_core.families import text_config
 from dflash_core.model import DrafterConfig
 from dflash_core.objective import default_gamma
@@ -154,14 +154,14 @@ def tokenizer_dir(cfg: DictConfig) -> Path:
 
 
 def compile_plan(cfg: DictConfig, backend: str, device: torch.device, hf_config) -> CompilePlan:
-    """Compile the drafter (auto: the flex backend at one static length, data.fixed_length; varying
+    """Compile the drafter (auto: a flex backend at one static length, data.fixed_length; varying
     lengths would compile once per length) and warm it up for that shape before the stream (auto:
     whenever the length is static), so no target waits on a first-step compilation. Compile the
     target's layers (auto: on GPU at a static length, unless the family has recurrent layers whose
     per-document regrouping has data-dependent shapes)."""
     from dflash_core.families import family_of
     static = cfg.data.fixed_length is not None
-    compiled = backend == "flex" and static if cfg.drafter.compile == "auto" else bool(cfg.drafter.compile)
+    compiled = backend in FLEX_BACKENDS and static if cfg.drafter.compile == "auto" else bool(cfg.drafter.compile)
     warm_up = static if cfg.run.warm_up == "auto" else bool(cfg.run.warm_up) and static
     recurrent = family_of(hf_config).recurrent_mixer is not None
     if cfg.target.compile == "auto":

@@ -21,6 +21,7 @@ from dflash_core.attention import build_attention_mask, dense_mask, interval_blo
 
 CONFIGS = {
     "default": {},
+    "flash": {"BACKEND": "FLASH"},  # flash-attn-4's CuTe kernels (FA3-class on Hopper), where installed
     "tma": {"USE_TMA": True},
     "fwd_128x128_w8_s2": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_warps": 8, "fwd_num_stages": 2},
     "fwd_128x64_w4_s3": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_warps": 4, "fwd_num_stages": 3},
@@ -87,6 +88,7 @@ def main():
                "torch": torch.__version__, "device": torch.cuda.get_device_name(device), "configs": {}}
     print(f"mask: {pairs} visible pairs of {q_len * kv_len} ({pairs / (q_len * kv_len):.3f}), "
           f"forward {fwd_tflop:.3f} TFLOP per head group layer call", flush=True)
+    reference = None  # the default configuration's output and gradients, computed first
     for name in args.configs.split(","):
         options, block_mask = dict(CONFIGS[name]), mask
         if options.pop("tile", None) == 64:  # a 64 x 64 BlockMask: tighter around the 16-query blocks
@@ -106,15 +108,20 @@ def main():
         with torch.no_grad():  # grad mode is a guard: compile the forward-only graph before timing
             attend(q, k, v, block_mask)
         compile_s = time.perf_counter() - start
+        out = attend(q, k, v, block_mask)
+        answer = (out.detach(), *torch.autograd.grad(out, (q, k, v), grad))
+        reference = reference if name != "default" else answer
+        differences = [float((a.float() - b.float()).abs().max()) for a, b in zip(answer, reference)]
         with torch.no_grad():
             fwd_ms = timed(lambda: attend(q, k, v, block_mask), args.iters)
         both_ms = timed(lambda: attend(q, k, v, block_mask).backward(grad), args.iters)
         row = {"options": options, "compile_s": compile_s, "fwd_ms": fwd_ms, "bwd_ms": both_ms - fwd_ms,
                "fwd_tflops": fwd_tflop / fwd_ms * 1e3, "bwd_tflops": 2.5 * fwd_tflop / (both_ms - fwd_ms) * 1e3,
-               "fwd_bwd_ms": both_ms}
+               "fwd_bwd_ms": both_ms, "max_abs_diff_out_dq_dk_dv": differences}
         results["configs"][name] = row
         print(f"{name}: fwd {fwd_ms:.2f} ms ({row['fwd_tflops']:.0f} TFLOP/s), bwd {row['bwd_ms']:.2f} ms "
-              f"({row['bwd_tflops']:.0f} TFLOP/s), compile {compile_s:.1f} s", flush=True)
+              f"({row['bwd_tflops']:.0f} TFLOP/s), compile {compile_s:.1f} s, max diff vs default {differences}",
+              flush=True)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
 

@@ -8,6 +8,7 @@
 #   bash scripts/gpu_session.sh warm-start                           (t1d2 at the 8B shape on one GPU: the second
 #                                                                      drafter compiles from the first one's artefacts)
 #   bash scripts/gpu_session.sh adamw                                (AdamW variants against the HBM floor)
+#   bash scripts/gpu_session.sh flex-tiles                           (flex alone on the real mask: Triton tiles, FLASH)
 #     Prepare the older tree first, here: mkdir -p ab/base && git archive <ref> | tar -x -C ab/base
 #     (ab/ is gitignored: carry [".whl", "ab"] on that device call).
 # On nvidia-h200-x8 (issue 8: the original incident's 8-GPU shape, a Qwen3-27B-shaped target), two calls
@@ -18,8 +19,13 @@
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
+# flash-attn-4 where carried (scripts/pack_flash.sh: fa4b/ here, the CuTe compiler in /tmp/fa4site from the call before).
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  $(ls fa4b/*.whl 2>/dev/null) || exit 1
+if [ -d fa4b ]; then
+  tar -xJf fa4b/rest.tar.xz -C /tmp/site && cp -r /tmp/fa4site/nvidia_cutlass_dsl /tmp/site/ || exit 1
+fi
+export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 NPROC=$(( GPUS < 2 ? 2 : GPUS ))
 echo "torch $(python3 -c 'import torch; print(torch.__version__)'), $GPUS GPUs"
@@ -60,9 +66,9 @@ for s in "$@"; do case $s in
             --steps 4 --out "$OUT/shape_$shape.json"; done ;;
   drafter-ab) [ -d "${AB_BASE:-ab/base}" ] || { echo "drafter-ab: no ${AB_BASE:-ab/base} (see the header)"; exit 2; }
       # Alternating, twice each, same machine and shape: ms/step moves a few % from machine to machine.
-      for round in 1 2; do for tree in "$PWD" "$PWD/${AB_BASE:-ab/base}"; do
+      for round in $(seq ${AB_ROUNDS:-2}); do for tree in "$PWD" "$PWD/${AB_BASE:-ab/base}"; do
         name=$([ "$tree" = "$PWD" ] && echo this || echo base)$round
-        (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout $(left 150) python3 -m launcher.bench --skip-target \
+        (cd "$tree" && PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$tree timeout $(left 150) python3 -m launcher.bench --skip-target \
            --skip-e2e --skip-baseline --no-mix --seq 4096 --steps 30 --work-dir /tmp/ab_$(basename "$tree") \
            --out /tmp/ab_$name.json) > "$OUT/ab_$name.log" 2>&1
         echo "== $name: $(grep -m1 'drafter alone' "$OUT/ab_$name.log" | cut -c1-120)"
@@ -72,6 +78,8 @@ for s in "$@"; do case $s in
                 --out "$OUT/warm_start.json"
               grep -h "warm-up compiled" /tmp/ws/e2e-full/logs/*.log ;;
   adamw) stage adamw timeout $(left 150) python3 scripts/adamw_bench.py --out "$OUT/adamw.json" ;;
+  flex-tiles) stage flex_tiles timeout $(left 300) python3 scripts/flex_tiles.py --configs default,flash \
+                --out "$OUT/flex_tiles.json" ;;
   gpu-tests) stage gpu_tests timeout $(left 400) python3 -m pytest -q -s -p no:cacheprovider -m gpu tests ;;
   incident) stage incident timeout $(left 580) python3 -m launcher.bench --shape qwen3-27b --seq 4096 \
               --no-mix --skip-e2e --skip-baseline --e2e-topology t5d3 --work-dir /tmp/b27 --out "$OUT/incident.json" ;;

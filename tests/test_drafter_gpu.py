@@ -1,9 +1,12 @@
-"""GPU checks of the drafter (skipped without CUDA; run through the device tool): the flex backend
+"""GPU checks of the drafter (skipped without CUDA; run through the device tool): the flex backends
 in bf16 against an fp32 sdpa reference, forward and backward, and one compile per shape."""
+
+import dataclasses
 
 import pytest
 import torch
 
+from dflash_core.attention import flash_unavailable
 from dflash_core.compile import compile_count
 from dflash_core.frozen_head import FrozenTargetHead
 from dflash_core.model import DFlashDrafter
@@ -27,9 +30,16 @@ def _relative_error(got, want):
     return float((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30))
 
 
-def test_flex_matches_sdpa_forward_and_backward_in_bf16():
+@pytest.mark.parametrize("backend", ["flex", "flash"])
+def test_flex_matches_sdpa_forward_and_backward_in_bf16(backend):
+    """Both flex kernels (Triton; flash-attn-4's where installed) on a full and a sliding layer,
+    over packed rows (three documents)."""
+    if backend == "flash" and (reason := flash_unavailable("cuda")):
+        pytest.skip(reason)
     cfg, batch, seq_len, num_anchors = _moderate(), 1, 512, 32
+    cfg = dataclasses.replace(cfg, layer_types=["full_attention", "sliding_attention"], sliding_window=40)
     drafter = DFlashDrafter(cfg, seed=0).cuda()
+    positions = torch.cat([torch.arange(n) for n in (200, 250, 62)]).unsqueeze(0).cuda()
     gen = torch.Generator().manual_seed(0)
     features = torch.randn(batch, seq_len, cfg.num_features * cfg.hidden_size, generator=gen).cuda()
     embeds = torch.randn(batch, num_anchors * cfg.block_size, cfg.hidden_size, generator=gen).cuda()
@@ -41,18 +51,21 @@ def test_flex_matches_sdpa_forward_and_backward_in_bf16():
         drafter.zero_grad(set_to_none=True)
         inputs = features.clone().requires_grad_(True)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
-            out = drafter(inputs, embeds, anchors, keep, backend=backend)
+            out = drafter(inputs, embeds, anchors, keep, position_ids=positions, backend=backend)
         (out.float() * probe).sum().backward()
         grads = [p.grad.clone() for p in drafter.parameters()] + [inputs.grad]
         return out.detach(), torch.cat([g.flatten().float() for g in grads])
 
     ref_out, ref_grad = run("sdpa", bf16=False)
-    out, grad = run("flex", bf16=True)
+    out, grad = run(backend, bf16=True)
     assert _relative_error(out, ref_out) < FORWARD_TOLERANCE
     assert _relative_error(grad, ref_grad) < BACKWARD_TOLERANCE
 
 
-def test_training_compiles_once_per_shape():
+@pytest.mark.parametrize("backend", ["flex", "flash"])
+def test_training_compiles_once_per_shape_and_never_waits_for_the_device(backend):
+    if backend == "flash" and (reason := flash_unavailable("cuda")):
+        pytest.skip(reason)
     cfg = _moderate()
     drafter = DFlashDrafter(cfg, seed=0).cuda()
     head = FrozenTargetHead.random(cfg.vocab_size, cfg.hidden_size, seed=0, device="cuda", dtype=torch.bfloat16)
@@ -64,11 +77,17 @@ def test_training_compiles_once_per_shape():
         mask = (torch.arange(512, device="cuda") >= 100).long().unsqueeze(0)
         hidden = torch.randn(1, 512, cfg.num_features * cfg.hidden_size, generator=gen, device="cuda",
                              dtype=torch.bfloat16)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = drafter_step(drafter, head, ids, mask, hidden, num_anchors=24, generator=gen, backend="flex",
-                               chunk_blocks=16, compiled=True)
-        optimizer.zero_grad(set_to_none=True)
-        (out.loss_sum / out.counts.weight_sum).backward()
+        # After the first step (compiling), no part of forward and backward waits for the device: the
+        # host must stay ahead of the GPU (docs/perf_notes.md).
+        torch.cuda.set_sync_debug_mode("error" if step else "default")
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = drafter_step(drafter, head, ids, mask, hidden, num_anchors=24, generator=gen,
+                                   backend=backend, chunk_blocks=16, compiled=True)
+            optimizer.zero_grad(set_to_none=True)
+            (out.loss_sum / out.counts.weight_sum).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
         optimizer.step()
         if step == 0:
             after_first = compile_count()

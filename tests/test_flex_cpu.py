@@ -7,6 +7,9 @@ uses ONE shape and the drafter has a full and a sliding layer, so the process co
 twice (once per layer type's mask, ~10-25 s each on 2 cores), packed rows or not.
 """
 
+import sys
+import types
+
 import pytest
 import torch
 
@@ -47,6 +50,32 @@ def drafter():
 def test_auto_backend_is_sdpa_on_cpu():
     assert attention.resolve_backend("auto", "cpu") == "sdpa"
     assert attention.resolve_backend("auto", "cuda") == "flex"
+
+
+@pytest.fixture
+def hopper_gpu(monkeypatch):
+    """What resolve_backend sees on a Hopper GPU: CUDA there, compute capability 9.0."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+
+def test_auto_backend_is_flash_where_flash_attn_4_runs(hopper_gpu, monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", types.ModuleType("flash_attn.cute"))
+    assert attention.resolve_backend("auto", "cuda") == "flash"
+    assert attention.resolve_backend("flex", "cuda") == "flex", "an explicit choice stays"
+
+
+def test_flash_that_cannot_run_is_an_error_naming_why(hopper_gpu, monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # import fails: not installed
+    assert attention.resolve_backend("auto", "cuda") == "flex"
+    with pytest.raises(ValueError, match=r"'flash' cannot run here: flash-attn-4 is not installed.*\[flash\]"):
+        attention.resolve_backend("flash", "cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match="compute capability 9.0 or newer.*has 8.0"):
+        attention.resolve_backend("flash", "cuda")
+    with pytest.raises(ValueError, match="needs a CUDA GPU, not cpu"):
+        attention.resolve_backend("flash", "cpu")
 
 
 def test_flex_refuses_to_train_on_cpu():

@@ -107,8 +107,8 @@ def test_invalid_blocks_see_nothing(layer_type):
 
 
 def test_padded_query_rows_are_masked():
-    """create_block_mask pads Q to a multiple of 128 and evaluates mask_mod there: the block
-    index must be clamped (no out-of-range gather) and those rows masked."""
+    """create_block_mask pads Q to a multiple of 128 and evaluates mask_mod there: the per-block
+    bounds must cover those rows (no out-of-range gather) and mask them."""
     mod = make_mask_mod(ANCHORS, KEEP, context_len=S, block_size=BS, layer_type="full_attention")
     padded = create_mask(mod, 2, 1, 128, KV, device="cpu")[:, 0]  # vmap path, like the kernels
     assert torch.equal(padded[:, :Q], mask_for("full_attention"))

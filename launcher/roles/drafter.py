@@ -42,8 +42,8 @@ def _compile_share(ctx: Context) -> CompileShare:
     key = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": device,
            "sources": source_digest(Path(dflash_core.__file__).parent), "drafter": dataclasses.asdict(job.drafter),
            "step": dataclasses.asdict(job.step), "shape": job.compile.warm_up_shape,
-           "evaluates": job.schedule.eval_batches > 0}
-    return CompileShare(ctx.isolation.cache_dir.parent, key)
+           "evaluates": job.schedule.eval_batches > 0, "flash_attn_4": ctx.provenance["versions"]["flash-attn-4"]}
+    return CompileShare(ctx.isolation.cache_dir, key)
 
 
 def _warm_up(ctx: Context, trainer: DrafterTrainer) -> float | None:
@@ -136,6 +136,7 @@ def run_drafter(ctx: Context, sink: MetricsSink | None) -> dict:
     lead = ctx.rank == topo.lead_drafter
     ctx.progress.stage("building_drafter")
     trainer = DrafterTrainer(job, ctx.groups.drafters)
+    log.info("attention backend %s (drafter.backend=%s)", job.step.backend, cfg.drafter.backend)
     if ctx.resume_from is not None:
         ctx.progress.stage("restoring_checkpoint")
         trainer.load_state(checkpoint.load(ctx.resume_from)[1])

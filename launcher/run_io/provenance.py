@@ -46,7 +46,8 @@ def library_versions() -> dict:
                 "nccl": None}
     if torch.cuda.is_available() and hasattr(torch.cuda, "nccl"):
         versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-    for name in ("transformers", "hydra-core", "omegaconf", "safetensors", "tokenizers"):
+    for name in ("transformers", "hydra-core", "omegaconf", "safetensors", "tokenizers", "flash-attn-4",
+                 "nvidia-cutlass-dsl"):
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
