@@ -1,15 +1,18 @@
 """Time the drafter's AdamW update alone at the production drafter's parameter shapes (issue 13:
-~10 ms of the Qwen3-8B-shaped step), against the HBM floor, for the ways PyTorch can run it.
+~10 ms of the Qwen3-8B-shaped step), against the HBM floor, for the ways PyTorch (and our kernel) can run it.
 
     python scripts/adamw_bench.py --out adamw.json
 
 fp32 parameters, gradients and moments: the update reads 16 and writes 12 bytes per parameter,
 so its floor is 28 bytes x parameters / the HBM bandwidth (4.8 TB/s on H200). Variants:
-  fused        torch.optim.AdamW(fused=True) with grad_scale and found_inf tensors (the trainer's)
+  fused        torch.optim.AdamW(fused=True) with grad_scale and found_inf tensors (the trainer's until the
+               seventh session)
   fused_flat   the same on one flat parameter as large as all the weights: one tensor instead of 58
   compiled     torch.compile of a capturable foreach AdamW step with a tensor learning rate (no recompiles)
   overlapped   the fused update on a side stream while the compute stream runs the next step's forward
-               GEMMs (layer shapes, 8192 query rows): how much of the update such an overlap would hide"""
+               GEMMs (layer shapes, 8192 query rows): how much of the update such an overlap would hide
+  one_pass_*   dflash_core.fused_adamw (the trainer's OnePassAdamW) at several tile sizes, and its largest
+               difference from the fused update"""
 
 import argparse
 import json
@@ -72,6 +75,41 @@ def _overlapped(shapes, device, reps: int, report) -> None:
            hidden_ms=round((gemm_s + adamw_s - both_s) * 1e3, 2))
 
 
+def _one_pass(shapes, device, reps: int, report, scale, skip) -> None:
+    """dflash_core.fused_adamw at a few tile sizes, and its largest difference from the fused
+    update after three steps on identical copies of the first layer's parameters."""
+    from dflash_core import fused_adamw
+
+    hyper = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+    def one_pass_state(params):
+        return ([p.grad for p in params], [torch.zeros_like(p) for p in params],
+                [torch.zeros_like(p) for p in params], [torch.zeros((), device=device) for _ in params])
+
+    reference = _params(shapes[:11], device, False)
+    ours = [torch.nn.Parameter(p.detach().clone()) for p in reference]
+    for mine, theirs in zip(ours, reference):
+        mine.grad = theirs.grad.clone()
+    opt = torch.optim.AdamW(reference, lr=hyper["lr"], weight_decay=hyper["weight_decay"], fused=True)
+    opt.grad_scale, opt.found_inf = scale, skip
+    state = one_pass_state(ours)
+    for _ in range(3):
+        for mine, theirs in zip(ours, reference):  # the fused update writes the unscaled gradient back
+            theirs.grad.copy_(mine.grad)
+        opt.step()
+        fused_adamw.adamw_(ours, *state, multiplier=1.0 / scale, skip=skip, **hyper)
+    diff = max(float((a - b).abs().max()) for a, b in zip(ours, reference))
+    del opt, reference, ours, state
+
+    params = _params(shapes, device, False)
+    state = one_pass_state(params)
+    for block, warps in ((512, 4), (1024, 4), (1024, 8), (2048, 4)):
+        fused_adamw.BLOCK, fused_adamw.NUM_WARPS = block, warps
+        report(f"one_pass_{block}_{warps}", _timed(
+            lambda: fused_adamw.adamw_(params, *state, multiplier=scale, skip=skip, **hyper), device, reps),
+            max_abs_diff_vs_fused=diff)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=20)
@@ -99,6 +137,7 @@ def main() -> None:
         del opt, params
 
     _overlapped(shapes, device, args.reps, report)
+    _one_pass(shapes, device, args.reps, report, scale, skip)
 
     params = _params(shapes, device, False)
     opt = torch.optim.AdamW(params, lr=torch.tensor(1e-4, device=device), weight_decay=0.01, foreach=True,

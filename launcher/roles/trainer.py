@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from dflash_core.frozen_head import FrozenTargetHead
+from dflash_core.fused_adamw import OnePassAdamW
 from dflash_core.model import DFlashDrafter
 from dflash_core.objective import StepCounts, drafter_step, evaluate_tau
 from launcher.distributed.channel import HIDDEN_DTYPE, FeatureBatch
@@ -38,7 +39,7 @@ def clip_multiplier(grads: list[torch.Tensor], scale: float | torch.Tensor,
                     max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The one factor m such that grads * m are the grads scaled by `scale`, then clipped to
     max_norm; and the scaled norm before clipping. Both 0-d tensors: no host sync, no pass that
-    writes the gradients (the fused AdamW applies m, see DrafterTrainer._update)."""
+    writes the gradients (the AdamW step applies m, see DrafterTrainer._update)."""
     norm = torch.nn.utils.get_total_norm(grads) * scale
     return norm, (max_norm / (norm + 1e-6)).clamp(max=1.0) * scale
 
@@ -98,9 +99,9 @@ class DrafterTrainer:
             self.head = FrozenTargetHead.from_target_dir(job.target.path, device=self.device, dtype=self.amp_dtype)
         self.model = self._data_parallel(self.drafter, group)
         o = cfg.optim
-        # Fused on every device: its one kernel also applies the step's gradient multiplier (_update).
-        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                           weight_decay=o.weight_decay, fused=True)
+        # torch's fused AdamW whose step also applies the step's gradient multiplier and skip flag (_update).
+        self.optimizer = OnePassAdamW(self.drafter.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                      weight_decay=o.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_multiplier(o, cfg.train.steps))
         self.step_kwargs = dataclasses.asdict(job.step)
         # Context tokens trained on by every drafter rank, over the whole lineage (on the device: no step reads it).
@@ -146,9 +147,7 @@ class DrafterTrainer:
 
     def load_state(self, state: dict) -> None:
         self.drafter.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        for group in self.optimizer.param_groups:  # checkpoints of CPU runs before AdamW was fused everywhere
-            group["fused"] = True
+        self.optimizer.load_state_dict(state["optimizer"])   # unfused AdamW's too (OnePassAdamW.load_state_dict)
         self.scheduler.load_state_dict(state["scheduler"])
         checkpoint.set_rng_state(state["rng"])
         self._tokens_seen.fill_(state.get("tokens_seen", 0))
@@ -156,8 +155,8 @@ class DrafterTrainer:
     def train_step(self, batches: list[FeatureBatch]) -> LaunchedStep:
         """One optimiser step over this rank's micro-batches, queued without waiting for the device.
         A non-finite global loss or gradient norm (every rank sees the same reduced values) skips
-        the update on every rank alike: the fused AdamW leaves weights, moments and step count as
-        they were when its `found_inf` is set, so the decision needs no host read either."""
+        the update on every rank alike: the AdamW step leaves weights, moments and step count as
+        they were where `skipped` is set, so the decision needs no host read either."""
         started = self._step_start()
         counts = StepCounts.zeros(self.dcfg.block_size, self.device)
         for a, batch in enumerate(batches):
@@ -184,13 +183,11 @@ class DrafterTrainer:
         return LaunchedStep(counts, norm, skipped, started)
 
     def _update(self, multiplier: torch.Tensor, skipped: torch.Tensor) -> None:
-        """AdamW on gradients * multiplier, or no update at all where `skipped`. The fused kernel
-        divides each gradient by `grad_scale` as it reads it and does nothing where `found_inf` is
-        set (the attributes AMP's GradScaler sets), sparing a separate pass that rescales 4 GB of
-        fp32 gradients (8B shape) and a host read of the skip decision before the step."""
-        self.optimizer.grad_scale = (1.0 / multiplier).float()
-        self.optimizer.found_inf = skipped.float()
-        self.optimizer.step()
+        """AdamW on gradients * multiplier, or no update at all where `skipped`. The kernel (on CUDA
+        dflash_core/fused_adamw.py's, on CPU torch's fused one given AMP's grad_scale and found_inf)
+        scales each gradient as it reads it and does nothing where `skipped`, sparing a separate pass
+        that rescales 4 GB of fp32 gradients (8B shape) and a host read of the skip decision."""
+        self.optimizer.step_scaled(multiplier, skipped)
 
     def warm_up(self, rows: int, seq_len: int, evaluates: bool) -> float:
         """Compile the step for the run's one static shape before the stream starts, so no target
