@@ -165,7 +165,10 @@ def _head_loss_terms(logits, labels, weights, loss_type, gamma, alpha):
 
 
 # The same terms as one or two fused kernels: the [rows, V] fp32 temporaries above cost ~10 passes
-# over 0.3 GB per chunk in eager mode (~12 ms of an 8B-shaped step on H200).
+# over 0.3 GB per chunk in eager mode (~12 ms of an 8B-shaped step on H200). On CUDA the Triton
+# kernels of head_loss_kernels.py replace it: inductor's vocabulary-wide reduction alone took ~3.9 ms
+# per step there, where their three passes over the logits (statistics read, gradient read and
+# write) are ~1.6 ms at HBM bandwidth.
 _compiled_head_loss_terms = compiled_function("head_loss", _head_loss_terms)
 
 
@@ -183,7 +186,14 @@ class _FusedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, head_weight, labels, weights, chunk_blocks, loss_type, gamma, alpha, compiled):
-        terms = _compiled_head_loss_terms if compiled else _head_loss_terms
+        if not compiled:
+            terms = _head_loss_terms
+        elif h.is_cuda:
+            # Imported here: head_loss_kernels imports this module. Its terms overwrite each chunk's
+            # logits with their gradient, which is safe because a chunk's logits are used for nothing else.
+            from .head_loss_kernels import head_loss_terms_triton as terms
+        else:
+            terms = _compiled_head_loss_terms
         grad_h = torch.empty_like(h)
         loss_sum = weight_sum = 0.0
         correct = []
@@ -261,7 +271,8 @@ def drafter_step(drafter, head, input_ids, loss_mask, hidden, *, position_ids=No
     and the row's num_anchors slots are shared by its documents.
     gamma None -> default_gamma(block_size). fixed_anchors: optional (anchors, keep) used
     instead of sampling. Feature noise draws from the global RNG of hidden's device.
-    compiled: the drafter's layers and the head-loss terms run through torch.compile."""
+    compiled: the drafter's layers and the head-loss terms run through torch.compile (on CUDA the
+    head-loss terms of a training step run through the Triton kernels of head_loss_kernels.py)."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
     if fixed_anchors is None:

@@ -1,0 +1,167 @@
+"""The head-loss Triton kernels (dflash_core/head_loss_kernels.py) give objective._head_loss_terms'
+results: on CPU through Triton's interpreter at small shapes, on a GPU at the production shape
+against the compiled terms (skipped without CUDA; run through the device tool)."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dflash_core.objective import LOSS_TYPES, _compiled_head_loss_terms, _FusedHeadLoss
+from tests.launching import REPO
+
+# Run under TRITON_INTERPRET=1 in a fresh process: Triton reads it when it is first imported.
+# Every case compares the kernels with _head_loss_terms on the same logits; failures come back by name.
+_INTERPRETED = """
+import json, torch
+from dflash_core import head_loss_kernels
+from dflash_core.objective import _head_loss_terms
+
+def logits_and_labels(vocab, dtype, gen):
+    logits = (3 * torch.randn(24, vocab, generator=gen)).to(dtype)
+    labels = torch.randint(0, vocab, (24,), generator=gen)
+    # Exact ties for the argmax, the first index wins: across BLOCK=256 chunks (row 0), inside one
+    # chunk (row 1), neighbours (row 2); each label makes the tie-break decide the hit.
+    for row, (first, second, label) in enumerate([(130, 900, 900), (300, 400, 300), (5, 6, 6)]):
+        logits[row, [first, second]] = 20.0
+        labels[row] = label
+    labels[3], labels[4] = 0, vocab - 1
+    return logits, labels.view(2, 3, 4)
+
+failures = []
+for block in (head_loss_kernels.BLOCK, 256):   # one ragged chunk per row; several, the last ragged
+    head_loss_kernels.BLOCK = block
+    for dtype in (torch.float32, torch.bfloat16):
+        for vocab in (1000, 1037):
+            for loss_type in ("dflash", "dpace"):
+                case = f"BLOCK={block} {dtype} V={vocab} {loss_type}"
+                gen = torch.Generator().manual_seed(vocab)
+                logits, labels = logits_and_labels(vocab, dtype, gen)
+                weights = (torch.rand(2, 3, 4, generator=gen) > 0.3).float()
+                weights[..., 0] = 0
+                want = _head_loss_terms(logits, labels, weights, loss_type, 4.0, 0.5)
+                consumed = logits.clone()
+                got = head_loss_kernels.head_loss_terms_triton(consumed, labels, weights, loss_type, 4.0, 0.5)
+                try:
+                    assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in want]
+                    torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-5, msg=lambda m: "ce: " + m)
+                    torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-5, msg=lambda m: "final: " + m)
+                    assert torch.equal(got[2], want[2]), f"correct: {got[2].flatten()} != {want[2].flatten()}"
+                    # assert_close's defaults for the dtype. bf16's allow a few units in the last place: the
+                    # interpreter truncates fp32 to bf16 where torch and the compiled kernel round to nearest.
+                    torch.testing.assert_close(got[3], want[3], msg=lambda m: "grad: " + m)
+                    assert torch.all(got[3][want[1].flatten() == 0] == 0), "a zero-weight row has a gradient"
+                    assert got[3].data_ptr() == consumed.data_ptr(), "the gradient is not in the logits' storage"
+                except AssertionError as error:
+                    failures.append(f"{case}: {error}")
+print(json.dumps(failures))
+"""
+
+
+def test_kernels_match_the_eager_terms_in_the_interpreter():
+    """fp32 and bf16 logits, V = 1000 and 1037, both loss types, the default BLOCK (one ragged
+    chunk per row) and BLOCK=256 (the online max and sum across chunks): CE and final weights
+    within 1e-5, the same argmax hits (ties included), the gradient within the dtype's rounding,
+    zero where the weight is, and written over the logits."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300, check=False)
+    assert out.returncode == 0, out.stderr
+    failures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not failures, "\n".join(failures)
+
+
+# The production chunk: 32 blocks of 16 slots for 4 rows (2048 logit rows), Qwen3's vocabulary.
+BATCH, CHUNK_BLOCKS, BLOCK_SIZE, VOCAB = 4, 32, 16, 151936
+
+
+def _chunk():
+    """The production chunk on the GPU: bf16 logits [2048, VOCAB] (bf16's coarse steps make exact
+    ties for the argmax common), labels and 0/1 weights [BATCH, CHUNK_BLOCKS, BLOCK_SIZE] (slot 0 and
+    ~30% of the rest zero)."""
+    shape = (BATCH, CHUNK_BLOCKS, BLOCK_SIZE)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = (4 * torch.randn(BATCH * CHUNK_BLOCKS * BLOCK_SIZE, VOCAB, device="cuda", generator=gen)).bfloat16()
+    labels = torch.randint(0, VOCAB, shape, device="cuda", generator=gen)
+    weights = (torch.rand(shape, device="cuda", generator=gen) > 0.3).float()
+    weights[..., 0] = 0
+    # Two sure ties across the kernels' chunks, labelled with the later index: the tie-break decides the hit.
+    logits[:2, [100, 100_000]] = 30.0
+    labels[0, 0, :2] = 100_000
+    return logits, labels, weights
+
+
+def _milliseconds(fn, repeats: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_kernels_match_the_compiled_terms_at_the_production_shape(loss_type):
+    """2048 x 151936 bf16 logits: CE within 1e-4 (fp32 sums over V in another order), final weights
+    within 1e-4 relative, the same argmax hits, the gradient within bf16's rounding and zero where
+    the weight is. Prints both versions' time per chunk."""
+    from dflash_core.head_loss_kernels import head_loss_terms_triton
+    logits, labels, weights = _chunk()
+    want = _compiled_head_loss_terms(logits, labels, weights, loss_type, 7.0, 0.5)
+    got = head_loss_terms_triton(logits.clone(), labels, weights, loss_type, 7.0, 0.5)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-4)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-6)
+    assert torch.equal(got[2], want[2])
+    torch.testing.assert_close(got[3], want[3])
+    assert torch.all(got[3][want[1].flatten() == 0] == 0)
+    # The kernels overwrite their input, so they are timed on one buffer holding the last call's
+    # gradient: the same work, whatever the values.
+    buffer = logits.clone()
+    kernels = _milliseconds(lambda: head_loss_terms_triton(buffer, labels, weights, loss_type, 7.0, 0.5))
+    compiled = _milliseconds(lambda: _compiled_head_loss_terms(logits, labels, weights, loss_type, 7.0, 0.5))
+    print(f"\nhead-loss terms, {tuple(logits.shape)} bf16, {loss_type}: Triton kernels {kernels:.3f} ms, "
+          f"torch.compile {compiled:.3f} ms per chunk")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_head_loss_runs_the_kernels_on_cuda_when_compiled(monkeypatch):
+    """_FusedHeadLoss with compiled=True on CUDA calls the kernels once per chunk (3 chunks, the last
+    ragged), and its loss, weight sum and hits equal the eager terms'; d(loss)/dh is within 1e-2 relative
+    (Frobenius) of theirs: bf16 GEMM outputs of nearly equal bf16 gradients."""
+    from dflash_core import head_loss_kernels
+    calls = []
+    kernels = head_loss_kernels.head_loss_terms_triton
+
+    def counted(*args):
+        calls.append(args)
+        return kernels(*args)
+
+    monkeypatch.setattr(head_loss_kernels, "head_loss_terms_triton", counted)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    hidden, vocab = 256, 5000
+    h = torch.randn(2, 5, BLOCK_SIZE, hidden, device="cuda", generator=gen).bfloat16()
+    head_weight = (torch.randn(vocab, hidden, device="cuda", generator=gen) / hidden ** 0.5).bfloat16()
+    labels = torch.randint(0, vocab, (2, 5, BLOCK_SIZE), device="cuda", generator=gen)
+    weights = (torch.rand(2, 5, BLOCK_SIZE, device="cuda", generator=gen) > 0.3).float()
+    outs = []
+    for compiled in (False, True):
+        h_leaf = h.clone().requires_grad_(True)
+        loss_sum, weight_sum, correct = _FusedHeadLoss.apply(h_leaf, head_weight, labels, weights, 2, "dpace", 7.0,
+                                                             0.5, compiled)
+        loss_sum.backward()
+        outs.append((loss_sum, weight_sum, correct, h_leaf.grad))
+    (want_loss, want_weight, want_correct, want_grad), (loss, weight, correct, grad) = outs
+    assert len(calls) == 3
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(weight, want_weight, rtol=1e-5, atol=1e-5)
+    assert torch.equal(correct, want_correct)
+    assert float((grad.float() - want_grad.float()).norm() / want_grad.float().norm()) < 1e-2
