@@ -14,15 +14,22 @@ from tests.launching import REPO
 _PROGRAM = """
 import os, sys, torch
 from pathlib import Path
-os.environ["TORCHINDUCTOR_CACHE_DIR"] = sys.argv[2]
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = sys.argv[1]
 from torch._dynamo.utils import counters
 from launcher.distributed.isolation import CompileShare
 share = CompileShare(Path(sys.argv[1]), {"settings": 1})
 loaded = share.load()
 torch.compile(lambda x: torch.nn.functional.silu(x) * 2 + x.sin())(torch.randn(64, 64))
+# Kernels outside torch's artefacts, laid out as flash-attn-4 and Triton lay out their caches.
+kernels = [Path(sys.argv[1], "flash_attn", "fingerprint", "fwd", "kernel.o"),
+           Path(sys.argv[1], "triton", "ab12", "k.so")]
 if not loaded:
+    for kernel in kernels:
+        kernel.parent.mkdir(parents=True)
+        kernel.write_bytes(b"compiled")
     share.publish()
-print(loaded, counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
+print(loaded, all(kernel.exists() and kernel.read_bytes() == b"compiled" for kernel in kernels),
+      counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
 """
 
 
@@ -65,15 +72,16 @@ def _run_in_a_fresh_process(program: str, *args) -> str:
                           capture_output=True, text=True, timeout=300, check=True).stdout
 
 
-def _compile_in_a_fresh_process(root, cache_dir):
-    loaded, hits, misses = _run_in_a_fresh_process(_PROGRAM, root, cache_dir).split()
-    return loaded == "True", int(hits), int(misses)
+def _compile_in_a_fresh_process(cache_dir):
+    loaded, has_kernel, hits, misses = _run_in_a_fresh_process(_PROGRAM, cache_dir).split()
+    return loaded == "True", has_kernel == "True", int(hits), int(misses)
 
 
 def test_published_artefacts_spare_another_process_the_compile(tmp_path):
-    assert _compile_in_a_fresh_process(tmp_path, tmp_path / "builder") == (False, 0, 1)
-    assert list((tmp_path / "shared").glob("drafter-*.bin"))
-    assert _compile_in_a_fresh_process(tmp_path, tmp_path / "other") == (True, 1, 0)
+    assert _compile_in_a_fresh_process(tmp_path / "builder") == (False, True, 0, 1)
+    assert list((tmp_path / "shared").glob("drafter-*.bin")) and list((tmp_path / "shared").glob("*.kernels.tar"))
+    # The other process finds the graph and the other kernels in its own cache dir.
+    assert _compile_in_a_fresh_process(tmp_path / "other") == (True, True, 1, 0)
     assert not (tmp_path / "builder").samefile(tmp_path / "other")
 
 

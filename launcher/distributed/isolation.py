@@ -8,11 +8,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
+import tarfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+# Kernel caches inside a process's cache dir that torch's cache artefacts do not carry (whole, at least).
+TRITON_CACHE, FLASH_CACHE = "triton", "flash_attn"   # every Triton kernel; flash-attn-4's CuTe kernels
+# Extract regular files and directories only, inside the target (Python >= 3.12 filters; older ones trust
+# the archive, which only this job's own builder writes).
+_DATA_ONLY = {"filter": "data"} if sys.version_info >= (3, 12) else {}
 
 
 @dataclass
@@ -65,8 +73,13 @@ def isolate(role: str, rank: int, local_world: int, cache_root: Path, device: to
     cache_dir = Path(cache_root).resolve() / f"{role}{rank}"
     cache_dir.mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
-    # Triton nests its cache under inductor's when TRITON_CACHE_DIR is unset.
-    os.environ.pop("TRITON_CACHE_DIR", None)
+    # Every Triton kernel's cache, inductor's and the hand-written ones' (dflash_core's AdamW and head
+    # loss, which would otherwise share ~/.triton with every process of the host).
+    os.environ["TRITON_CACHE_DIR"] = str(cache_dir / TRITON_CACHE)
+    # flash-attn-4 (the "flash" attention backend) compiles its CuTe kernels in every process unless
+    # its persistent cache is on; it reads these when flex first imports it, after this.
+    os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] = "1"
+    os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] = str(cache_dir / FLASH_CACHE)
 
     threads = max(1, _usable_cores() // max(1, local_world))
     torch.set_num_threads(threads)
@@ -86,16 +99,20 @@ def isolate(role: str, rank: int, local_world: int, cache_root: Path, device: to
 
 
 class CompileShare:
-    """Compiled artefacts (torch.compiler's cache artefacts: graphs, AOT code, Triton kernels) that one
-    drafter per node builds and publishes as one file, which the node's other drafters, and later
-    runs with the same compile settings, load into their OWN cache dirs before they compile. Every
-    process sees its GPU as cuda:0 (`own_gpu`), so every graph is found on every GPU of the node. No
-    two processes ever write one cache: the file is written atomically by its builder and only read
-    by the others."""
+    """Compiled artefacts that one drafter per node builds and publishes, which the node's other
+    drafters, and later runs with the same compile settings, load into their OWN cache dirs before they
+    compile: torch.compiler's cache artefacts (graphs, AOT code, inductor's Triton kernels) as one file,
+    and the kernel caches those leave out (hand-written Triton kernels, flash-attn-4's) as a tar beside it.
+    Every process sees its GPU as cuda:0 (`own_gpu`), so every graph is found on every GPU of the node.
+    No two processes ever write one cache: the files are written atomically by their builder, the
+    torch file last (its presence says both are complete), and only read by the others."""
 
-    def __init__(self, cache_root: Path, key: dict):
+    def __init__(self, cache_dir: Path, key: dict):
+        """cache_dir: this process's own cache dir (`isolate`); the share lies beside it."""
         digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
-        self.path = Path(cache_root) / "shared" / f"drafter-{digest}.bin"
+        self.path = Path(cache_dir).parent / "shared" / f"drafter-{digest}.bin"
+        self.kernels_path = self.path.with_suffix(".kernels.tar")
+        self.cache_dir = Path(cache_dir)
 
     def load(self) -> bool:
         """Load the published artefacts into this process's caches; False when there are none."""
@@ -105,6 +122,9 @@ class CompileShare:
             return False
         if blob:   # empty: the builder had nothing to share (caching off); nothing to wait for either
             torch.compiler.load_cache_artifacts(blob)
+        if self.kernels_path.exists():
+            with tarfile.open(self.kernels_path) as archive:
+                archive.extractall(self.cache_dir, **_DATA_ONLY)
         return True
 
     def wait_and_load(self, timeout_s: float, poll_s: float = 0.5) -> bool:
@@ -120,6 +140,13 @@ class CompileShare:
         """Write what this process compiled since it started (the builder, after its warm-up)."""
         saved = torch.compiler.save_cache_artifacts()
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        caches = [name for name in (TRITON_CACHE, FLASH_CACHE) if (self.cache_dir / name).is_dir()]
+        if caches:
+            tmp = self.kernels_path.with_name(f".{self.kernels_path.name}.{os.getpid()}.tmp")
+            with tarfile.open(tmp, "w") as archive:
+                for name in caches:
+                    archive.add(self.cache_dir / name, arcname=name)
+            os.replace(tmp, self.kernels_path)
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         tmp.write_bytes(saved[0] if saved is not None else b"")
         os.replace(tmp, self.path)
