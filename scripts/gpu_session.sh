@@ -9,6 +9,7 @@
 #                                                                      drafter compiles from the first one's artefacts)
 #   bash scripts/gpu_session.sh adamw                                (AdamW variants against the HBM floor)
 #   bash scripts/gpu_session.sh flex-tiles                           (flex alone on the real mask: Triton tiles, FLASH)
+#   BENCH_ARGS="--set drafter.backend=flash" bash scripts/gpu_session.sh drafter   (the flash kernels: pack_flash.sh)
 #     Prepare the older tree first, here: mkdir -p ab/base && git archive <ref> | tar -x -C ab/base
 #     (ab/ is gitignored: carry [".whl", "ab"] on that device call).
 # On nvidia-h200-x8 (issue 8: the original incident's 8-GPU shape, a Qwen3-27B-shaped target), two calls

@@ -60,9 +60,10 @@ class DrafterSettings:
                                                   "null: spread evenly (dflash_spec)")
     mask_token_id: Any = knob("auto", "token id of the masked slots; auto: first unused embedding row of the target",
                               choices=("auto",), ge=0)
-    backend: str = knob("auto", "attention backend: auto (sdpa on CPU; on a GPU flash where it can run, else flex) | "
+    backend: str = knob("auto", "attention backend: auto (sdpa on CPU, flex on a GPU) | "
                                 "flex (flex_attention, Triton kernels) | flash (flex_attention, flash-attn-4 kernels: "
-                                "Hopper or newer, the [flash] extra) | sdpa (dense reference)",
+                                "Hopper or newer, the [flash] extra; faster steps at 8B-class shapes, longer cold "
+                                "compile) | sdpa (dense reference)",
                         choices=("auto", "flex", "flash", "sdpa"))
     compile: Any = knob("auto", "torch.compile the layers and head loss: auto (flex at data.fixed_length)",
                         choices=AUTO_BOOL)

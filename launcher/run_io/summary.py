@@ -38,7 +38,7 @@ def summarise(ctx: Context, per_rank: list[dict]) -> dict:
         # Graphs compiled after the warm-up, in the stream: a static-shape run keeps this at 0.
         "recompiles": {s["rank"]: s["recompiles"] for s in drafters},
         "compile_report": lead["compile_report"],
-        "attention_backend": ctx.job.step.backend,   # drafter.backend resolved (auto: flash where it can run)
+        "attention_backend": ctx.job.step.backend,   # drafter.backend resolved (auto: flex on a GPU)
         "target_idle_fraction": _mean(s["send_wait_s"] / s["wall_s"] for s in targets),
         # The share of a drafter's time its device ran no step. Not its waits for data: the loop queues the
         # next step before it reads the last, so it waits for data while its GPU may still be busy.
