@@ -1,4 +1,5 @@
-"""Helpers for tests that launch real torchrun jobs on CPU."""
+"""Helpers for tests that launch real torchrun jobs, or other fresh Python processes, on CPU."""
+import json
 import os
 import re
 import subprocess
@@ -17,6 +18,15 @@ def _command(nproc: int, args, module: str | None, torchrun_args) -> list[str]:
 def _env(env) -> dict:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), **(env or {})}
+
+
+def run_in_triton_interpreter(program: str, stdin: str | None = None):
+    """Run `program` in a fresh process under TRITON_INTERPRET=1 (Triton reads it when first imported, so
+    the kernels run on CPU) and return the JSON value its last output line prints."""
+    out = subprocess.run([sys.executable, "-c", program], input=stdin, cwd=REPO, capture_output=True, text=True,
+                         timeout=300, env=_env({"TRITON_INTERPRET": "1"}), check=False)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 300, env=None, module: str | None = "launcher.train",

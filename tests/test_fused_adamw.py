@@ -3,21 +3,18 @@ gradient * multiplier and nothing at all where skipped; OnePassAdamW keeps torch
 state and checkpoints, and refuses the options its kernel lacks."""
 import copy
 import json
-import os
-import subprocess
-import sys
 import warnings
 
 import pytest
 import torch
 
 from dflash_core.fused_adamw import OnePassAdamW
-from tests.launching import REPO
+from tests.launching import run_in_triton_interpreter
 
 SHAPES = [(7, 5), (33,), (3, 700)]   # odd sizes; 2100 elements span three programs of BLOCK=1024
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
-# Run under TRITON_INTERPRET=1 in a fresh process: Triton reads it when it is first imported.
+# Run through run_in_triton_interpreter.
 _INTERPRETED = """
 import json, torch
 from dflash_core.fused_adamw import adamw_
@@ -53,12 +50,7 @@ def test_kernel_matches_torch_adamw_and_a_skipped_step_changes_nothing():
     """Triton's interpreter runs the kernel on CPU: 4 steps with a multiplier of 0.5 equal torch's
     AdamW on the multiplied gradients; a 5th with skip set leaves everything bit-identical."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    out = subprocess.run([sys.executable, "-c", _INTERPRETED], input=json.dumps([SHAPES, HYPER, 0.5]), cwd=REPO,
-                         env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert out.returncode == 0, out.stderr
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_in_triton_interpreter(_INTERPRETED, stdin=json.dumps([SHAPES, HYPER, 0.5]))
     assert result["max_diff"] < 1e-5
     assert result["steps"] == [4.0] * len(SHAPES)
     assert result["skip_kept"]

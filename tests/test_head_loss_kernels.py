@@ -1,20 +1,16 @@
 """The head-loss Triton kernels (dflash_core/head_loss_kernels.py) give objective._head_loss_terms'
 results: on CPU through Triton's interpreter at small shapes, on a GPU at the production shape
 against the compiled terms (skipped without CUDA; run through the device tool)."""
-import json
-import os
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 from dflash_core.objective import LOSS_TYPES, _compiled_head_loss_terms, _FusedHeadLoss
-from tests.launching import REPO
+from tests.launching import run_in_triton_interpreter
 
-# Run under TRITON_INTERPRET=1 in a fresh process: Triton reads it when it is first imported.
-# Every case compares the kernels with _head_loss_terms on the same logits; failures come back by name.
+# Run through run_in_triton_interpreter. Every case compares the kernels with _head_loss_terms on the same
+# logits; failures come back by name.
 _INTERPRETED = """
 import json, torch
 from dflash_core import head_loss_kernels
@@ -67,12 +63,7 @@ def test_kernels_match_the_eager_terms_in_the_interpreter():
     within 1e-5, the same argmax hits (ties included), the gradient within the dtype's rounding,
     zero where the weight is, and written over the logits."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    out = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=300, check=False)
-    assert out.returncode == 0, out.stderr
-    failures = json.loads(out.stdout.strip().splitlines()[-1])
+    failures = run_in_triton_interpreter(_INTERPRETED)
     assert not failures, "\n".join(failures)
 
 
