@@ -219,10 +219,8 @@ class _FusedHeadLoss(torch.autograd.Function):
 def _run_blocks(drafter, head, input_ids, loss_mask, position_ids, features, anchors, keep, *,
                 loss_type, gamma, alpha, backend, chunk_blocks, compiled):
     """Drafter forward on the given blocks, then the loss in chunks of `chunk_blocks` blocks
-    (with grad: `_FusedHeadLoss`), so the [N*Bs, V] logits never exist at once.
-    `drafter` may be wrapped (DDP, FSDP): it is called as is, its config read from .module."""
-    model = getattr(drafter, "module", drafter)
-    cfg = model.config
+    (with grad: `_FusedHeadLoss`), so the [N*Bs, V] logits never exist at once."""
+    cfg = drafter.config
     block_ids = block_input_ids(input_ids, anchors, cfg.block_size, cfg.mask_token_id)
     h = drafter(features, head.embed(block_ids), anchors, keep, position_ids=position_ids, backend=backend,
                 compiled=compiled)
@@ -296,7 +294,7 @@ def evaluate_tau(drafter, head, input_ids, loss_mask, hidden, *, position_ids=No
     Held-out rows are normally unpacked (position_ids None); packed rows give the same sums.
     Returns the counts (`.summary()` gives tau, acc, eal, loss) for cross-rank sums."""
     anchors, keep = all_valid_anchors(loss_mask, multiple_of=num_anchors, position_ids=position_ids)
-    totals = StepCounts.zeros(getattr(drafter, "module", drafter).config.block_size, input_ids.device)
+    totals = StepCounts.zeros(drafter.config.block_size, input_ids.device)
     for start in range(0, anchors.shape[1], num_anchors):
         part = slice(start, start + num_anchors)
         # Freshly laid-out chunks: a slice's strides depend on this batch's anchor count, and compiled

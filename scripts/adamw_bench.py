@@ -11,8 +11,9 @@ so its floor is 28 bytes x parameters / the HBM bandwidth (4.8 TB/s on H200). Va
   compiled     torch.compile of a capturable foreach AdamW step with a tensor learning rate (no recompiles)
   overlapped   the fused update on a side stream while the compute stream runs the next step's forward
                GEMMs (layer shapes, 8192 query rows): how much of the update such an overlap would hide
-  one_pass_*   dflash_core.fused_adamw (the trainer's OnePassAdamW) at several tile sizes, and its largest
-               difference from the fused update"""
+  one_pass_*   dflash_core.fused_adamw (the trainer's update) at several tile sizes, and its largest
+               difference from the fused update; one_pass_bf16_copies: as the trainer runs it on GPU, bf16
+               gradients in and bf16 compute copies out for the matrices (also 28 bytes per weight)"""
 
 import argparse
 import json
@@ -76,15 +77,16 @@ def _overlapped(shapes, device, reps: int, report) -> None:
 
 
 def _one_pass(shapes, device, reps: int, report, scale, skip) -> None:
-    """dflash_core.fused_adamw at a few tile sizes, and its largest difference from the fused
-    update after three steps on identical copies of the first layer's parameters."""
+    """dflash_core.fused_adamw at a few tile sizes, and its largest difference from the fused update after
+    three steps on identical copies of the first layer's parameters; then as the trainer runs it on GPU:
+    bf16 gradients of the matrices, whose bf16 compute copies it writes (the same 28 bytes per weight)."""
     from dflash_core import fused_adamw
 
     hyper = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
     def one_pass_state(params):
         return ([p.grad for p in params], [torch.zeros_like(p) for p in params],
-                [torch.zeros_like(p) for p in params], [torch.zeros((), device=device) for _ in params])
+                [torch.zeros_like(p) for p in params], torch.zeros((), device=device))
 
     reference = _params(shapes[:11], device, False)
     ours = [torch.nn.Parameter(p.detach().clone()) for p in reference]
@@ -108,6 +110,13 @@ def _one_pass(shapes, device, reps: int, report, scale, skip) -> None:
         report(f"one_pass_{block}_{warps}", _timed(
             lambda: fused_adamw.adamw_(params, *state, multiplier=scale, skip=skip, **hyper), device, reps),
             max_abs_diff_vs_fused=diff)
+    fused_adamw.BLOCK, fused_adamw.NUM_WARPS = 1024, 4
+    matrices = [p.dim() == 2 for p in params]
+    grads = [p.grad.bfloat16() if matrix else p.grad for p, matrix in zip(params, matrices)]
+    computes = [p.detach().bfloat16() if matrix else None for p, matrix in zip(params, matrices)]
+    report("one_pass_bf16_copies", _timed(
+        lambda: fused_adamw.adamw_(params, grads, *state[1:], multiplier=scale, skip=skip, computes=computes,
+                                   **hyper), device, reps))
 
 
 def main() -> None:

@@ -86,11 +86,6 @@ def isolate(role: str, rank: int, local_world: int, cache_root: Path, device: to
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
     inductor_config.compile_threads = threads if compile_threads == "auto" else int(compile_threads)
-    # DDP's graph splitting at bucket boundaries (made for one whole-model graph) would cut each compiled
-    # drafter layer into pieces that the AOT-autograd cache refuses ("fakify_first_call"), so every warm
-    # start with two or more drafters traced them again (~3 s at the 8B shape). The compiled regions are
-    # single layers already: a layer's gradients are reduced while the next layer's backward runs.
-    dynamo_config.optimize_ddp = False
     dynamo_config.recompile_limit = recompile_limit
     dynamo_config.accumulated_recompile_limit = max(recompile_limit, dynamo_config.accumulated_recompile_limit)
     if device.type == "cuda":

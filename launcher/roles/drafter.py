@@ -1,5 +1,5 @@
-"""Drafter role: receive -> train step (anchors, mask, forward/backward, DP all-reduce, optimiser)
--> metrics, held-out evaluation, checkpoints -> export."""
+"""Drafter role: receive -> train step (anchors, mask, forward/backward, gradients reduced over the drafter ranks,
+sharded optimiser) -> metrics, held-out evaluation, checkpoints -> export."""
 from __future__ import annotations
 
 import dataclasses
@@ -173,9 +173,11 @@ def run_drafter(ctx: Context, sink: MetricsSink | None) -> dict:
             if sink is not None:
                 sink.eval(step + 1, held_out)
             books.last_eval = held_out
-        if lead and saves:
-            log.info("checkpoint %s", checkpoint.save(ctx.run_dir / "checkpoints", done, trainer.state(done),
-                                                      cfg.run.keep_checkpoints, record=resume.record(job)))
+        if saves:
+            state = trainer.state(done)   # every drafter rank: each holds a shard of the weights and moments
+            if lead:
+                log.info("checkpoint %s", checkpoint.save(ctx.run_dir / "checkpoints", done, state,
+                                                          cfg.run.keep_checkpoints, record=resume.record(job)))
     receiver.close([topo.unit_leader(u) for u in range(topo.num_units)])
     books.seq_log.close()
     if lead:

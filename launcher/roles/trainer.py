@@ -18,13 +18,12 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from dflash_core.frozen_head import FrozenTargetHead
-from dflash_core.fused_adamw import OnePassAdamW
 from dflash_core.model import DFlashDrafter
 from dflash_core.objective import StepCounts, drafter_step, evaluate_tau
 from launcher.distributed.channel import HIDDEN_DTYPE, FeatureBatch
+from launcher.distributed.sharded_adamw import ShardedAdamW
 from launcher.resolve import Job, compute_dtype
 from launcher.roles.lr_schedule import lr_multiplier
 from launcher.run_io import checkpoint
@@ -35,21 +34,13 @@ def anchor_generator(device: torch.device, seed: int, index: int) -> torch.Gener
     return torch.Generator(device=device).manual_seed(seed * 1_000_003 + index)
 
 
-def clip_multiplier(grads: list[torch.Tensor], scale: float | torch.Tensor,
+def clip_multiplier(norm: torch.Tensor, scale: float | torch.Tensor,
                     max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The one factor m such that grads * m are the grads scaled by `scale`, then clipped to
-    max_norm; and the scaled norm before clipping. Both 0-d tensors: no host sync, no pass that
-    writes the gradients (the AdamW step applies m, see DrafterTrainer._update)."""
-    norm = torch.nn.utils.get_total_norm(grads) * scale
+    """The one factor m such that gradients * m are the gradients (of L2 norm `norm`) scaled by
+    `scale`, then clipped to max_norm; and the scaled norm before clipping. Both 0-d tensors: no host
+    sync, no pass that writes the gradients (the AdamW step applies m, see DrafterTrainer._update)."""
+    norm = norm * scale
     return norm, (max_norm / (norm + 1e-6)).clamp(max=1.0) * scale
-
-
-def _sum_gradients(group, bucket):
-    """DDP comm hook: all-reduce SUM. DDP's default also divides by the world size, a pass over
-    every gradient; the step's one multiplier (clip_multiplier) takes that factor instead.
-    (Unannotated: DDP checks the annotations, which this module's `annotations` import makes strings.)"""
-    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 @dataclasses.dataclass
@@ -97,31 +88,15 @@ class DrafterTrainer:
                                                 device=self.device, dtype=self.amp_dtype)
         else:
             self.head = FrozenTargetHead.from_target_dir(job.target.path, device=self.device, dtype=self.amp_dtype)
-        self.model = self._data_parallel(self.drafter, group)
         o = cfg.optim
-        # torch's fused AdamW whose step also applies the step's gradient multiplier and skip flag (_update).
-        self.optimizer = OnePassAdamW(self.drafter.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                      weight_decay=o.weight_decay)
+        # fp32 masters sharded over the drafter ranks; the drafter computes on the bf16 copies the update
+        # writes (on GPU); it also sums the ranks' gradients (launcher/distributed/sharded_adamw.py).
+        self.optimizer = ShardedAdamW(self.drafter, group, compute_dtype=self.amp_dtype, lr=o.lr,
+                                      betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_multiplier(o, cfg.train.steps))
         self.step_kwargs = dataclasses.asdict(job.step)
         # Context tokens trained on by every drafter rank, over the whole lineage (on the device: no step reads it).
         self._tokens_seen = torch.zeros((), dtype=torch.float64, device=self.device)
-
-    def _data_parallel(self, drafter: DFlashDrafter, group: dist.ProcessGroup):
-        """DDP over the drafter ranks; the drafter itself when it is the only one (DDP would still
-        copy every gradient into its buckets, ~2 ms of an 8B-shaped step on H200, to reduce nothing)."""
-        if dist.get_world_size(group) == 1:
-            return drafter
-        # Gradients as views of DDP's buckets: without it every step also copies the 4 GB of fp32
-        # gradients (8B shape) back out of the buckets after the all-reduce.
-        ddp = DistributedDataParallel(drafter, process_group=group, gradient_as_bucket_view=True,
-                                      device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        ddp.register_comm_hook(group, _sum_gradients)
-        return ddp
-
-    def _no_sync(self):
-        """No gradient all-reduce for this backward (all but the last accumulation step)."""
-        return self.model.no_sync() if isinstance(self.model, DistributedDataParallel) else contextlib.nullcontext()
 
     def autocast(self):
         if self.device.type == "cuda":
@@ -140,14 +115,19 @@ class DrafterTrainer:
         event.record()
         return event
 
-    def state(self, step: int) -> dict:
-        return {"step": step, "model": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(),
+    def state(self, step: int) -> dict | None:
+        """The checkpoint's state on the lead drafter (None on the others). Collective: every drafter
+        rank calls it, since each holds a shard of the fp32 weights and AdamW moments."""
+        model, optimizer = self.optimizer.model_state_dict(), self.optimizer.state_dict()
+        if model is None:
+            return None
+        return {"step": step, "model": model, "optimizer": optimizer,
                 "scheduler": self.scheduler.state_dict(), "rng": checkpoint.rng_state(),
                 "drafter_config": dataclasses.asdict(self.dcfg), "tokens_seen": self.tokens_seen}
 
     def load_state(self, state: dict) -> None:
-        self.drafter.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])   # unfused AdamW's too (OnePassAdamW.load_state_dict)
+        self.optimizer.load_model_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])   # torch AdamW's layout (the DDP trainer's too)
         self.scheduler.load_state_dict(state["scheduler"])
         checkpoint.set_rng_state(state["rng"])
         self._tokens_seen.fill_(state.get("tokens_seen", 0))
@@ -160,21 +140,21 @@ class DrafterTrainer:
         started = self._step_start()
         counts = StepCounts.zeros(self.dcfg.block_size, self.device)
         for a, batch in enumerate(batches):
-            last = a == len(batches) - 1
-            with (contextlib.nullcontext() if last else self._no_sync()), self.autocast():
-                out = drafter_step(self.model, self.head, batch.input_ids, batch.loss_mask, batch.hidden,
+            self.optimizer.begin_backward(first=a == 0, last=a == len(batches) - 1)
+            with self.autocast():
+                out = drafter_step(self.drafter, self.head, batch.input_ids, batch.loss_mask, batch.hidden,
                                    position_ids=batch.position_ids,
                                    generator=anchor_generator(self.device, self.job.cfg.run.seed, batch.index),
                                    **self.step_kwargs)
                 out.loss_sum.backward()
             counts = counts + out.counts
             counts.tokens = counts.tokens + batch.num_tokens
+        self.optimizer.end_backward()
         counts = counts.all_reduce(self.group)
         self._tokens_seen += counts.tokens
-        grads = [p.grad for p in self.drafter.parameters() if p.grad is not None]
         # The gradients hold the global sums of d(weighted CE sum): the step optimises
         # (global weighted CE sum) / (global weight sum).
-        norm, multiplier = clip_multiplier(grads, 1.0 / counts.weight_sum.clamp(min=1e-9),
+        norm, multiplier = clip_multiplier(self.optimizer.grad_norm(), 1.0 / counts.weight_sum.clamp(min=1e-9),
                                            self.job.cfg.optim.grad_clip)
         skipped = ~(torch.isfinite(norm) & torch.isfinite(counts.loss_sum))
         self._update(multiplier, skipped)
@@ -186,7 +166,7 @@ class DrafterTrainer:
         """AdamW on gradients * multiplier, or no update at all where `skipped`. The kernel (on CUDA
         dflash_core/fused_adamw.py's, on CPU torch's fused one given AMP's grad_scale and found_inf)
         scales each gradient as it reads it and does nothing where `skipped`, sparing a separate pass
-        that rescales 4 GB of fp32 gradients (8B shape) and a host read of the skip decision."""
+        that rescales 4 GB of gradients (8B shape) and a host read of the skip decision."""
         self.optimizer.step_scaled(multiplier, skipped)
 
     def warm_up(self, rows: int, seq_len: int, evaluates: bool) -> float:
@@ -202,8 +182,8 @@ class DrafterTrainer:
         batch = FeatureBatch(0, ids, torch.ones_like(ids), torch.arange(seq_len, device=self.device).repeat(rows, 1),
                              hidden, ids.numel())
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            with self._no_sync(), self.autocast():
-                out = drafter_step(self.model, self.head, batch.input_ids, batch.loss_mask, batch.hidden,
+            with self.autocast():
+                out = drafter_step(self.drafter, self.head, batch.input_ids, batch.loss_mask, batch.hidden,
                                    position_ids=batch.position_ids, generator=generator, **self.step_kwargs)
                 out.loss_sum.backward()
             self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,283 @@
+"""The drafter ranks' optimiser (launcher/distributed/sharded_adamw.py): over any number of ranks and
+micro-batches it makes torch's AdamW update on the summed gradients; bf16 compute copies are the fp32
+masters rounded; its checkpoints are torch AdamW's layout and load at another rank count."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from launcher.distributed.sharded_adamw import ShardedAdamW
+
+HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+MULTIPLIER = 0.5
+
+
+class Net(nn.Module):
+    """Two 'layers' and an 'fc' of odd sizes (shard and alignment boundaries fall inside weights), with
+    biases and a norm (vectors) besides the matrices."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 9, bias=False)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(9, 67), nn.LayerNorm(67), nn.Linear(67, 9, bias=False))
+                                    for _ in range(2))
+
+    def forward(self, x):
+        x = self.fc(x)
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def _net(seed=0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def _inputs(count: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(3, 5, generator=gen) for _ in range(count)]
+
+
+def _loss(net, x):
+    return net(x).square().sum()
+
+
+def _sharded(net, group=None, compute_dtype=torch.float32) -> ShardedAdamW:
+    return ShardedAdamW(net, group or dist.group.WORLD, compute_dtype=compute_dtype, **HYPER)
+
+
+def _train(net, optimizer, steps: list[list[torch.Tensor]], skip_step: int | None = None,
+           autocast: bool = False) -> list[float]:
+    """One optimiser step per entry (its micro-batches, one backward each); the gradient norms."""
+    norms = []
+    for i, batches in enumerate(steps):
+        for a, x in enumerate(batches):
+            optimizer.begin_backward(first=a == 0, last=a == len(batches) - 1)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = _loss(net, x)
+            loss.backward()
+        optimizer.end_backward()
+        norms.append(float(optimizer.grad_norm()))
+        optimizer.step_scaled(torch.tensor(MULTIPLIER), torch.tensor(i == skip_step))
+        optimizer.zero_grad()
+    return norms
+
+
+def _reference(steps: list[list[torch.Tensor]], skip_step: int | None = None) -> tuple[Net, torch.optim.AdamW]:
+    """torch's AdamW on the summed gradients * MULTIPLIER; a skipped step changes nothing."""
+    net = _net()
+    adamw = torch.optim.AdamW(net.parameters(), **HYPER, foreach=False)
+    for i, batches in enumerate(steps):
+        for x in batches:
+            _loss(net, x).backward()
+        if i != skip_step:
+            for p in net.parameters():
+                p.grad.mul_(MULTIPLIER)
+            adamw.step()
+        adamw.zero_grad()
+    return net, adamw
+
+
+@pytest.fixture
+def world_of_one():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_one_rank_is_torch_adamw_on_the_summed_gradients(world_of_one, micro_batches):
+    """One micro-batch (gradients read where autograd left them) and three (summed in fp32 buffers): the
+    weights, moments and gradient norm of torch's AdamW, a skipped step included; weights stay views of
+    their bucket's flat buffer."""
+    inputs = _inputs(3 * micro_batches)
+    steps = [inputs[i:i + micro_batches] for i in range(0, len(inputs), micro_batches)]
+    net = _net()
+    optimizer = _sharded(net)
+    norms = _train(net, optimizer, steps, skip_step=1)
+    want, adamw = _reference(steps, skip_step=1)
+    for got, expected in zip(net.parameters(), want.parameters()):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    saved = optimizer.state_dict()
+    assert len(saved["state"]) == len(list(net.parameters()))
+    for index, state in adamw.state_dict()["state"].items():
+        assert float(saved["state"][index]["step"]) == float(state["step"]) == 2.0
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(saved["state"][index][key], state[key], rtol=1e-6, atol=1e-7)
+    reference = _net()
+    for x in steps[0]:
+        _loss(reference, x).backward()
+    assert norms[0] == pytest.approx(float(torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])),
+                                     rel=1e-6)
+    base = net.layers[0][0].weight.untyped_storage().data_ptr()
+    assert net.layers[0][2].weight.untyped_storage().data_ptr() == base
+
+
+def test_bf16_compute_copies_are_the_rounded_masters(world_of_one):
+    """With bf16 compute copies (trained under autocast) the model's matrices are bf16 and after every
+    update the fp32 masters rounded; the vectors stay fp32; model_state_dict gives the fp32 masters,
+    finer than their copies."""
+    net = _net()
+    optimizer = _sharded(net, compute_dtype=torch.bfloat16)
+    assert net.fc.weight.dtype == torch.bfloat16 and net.layers[0][0].bias.dtype == torch.float32
+    _train(net, optimizer, [[x] for x in _inputs(3)], autocast=True)
+    masters = optimizer.model_state_dict()
+    for name, param in net.named_parameters():
+        assert masters[name].dtype == torch.float32
+        assert torch.equal(param.detach(), masters[name].to(param.dtype)), name
+    assert not torch.equal(masters["fc.weight"], masters["fc.weight"].bfloat16().float())   # fp32 precision kept
+
+
+def test_checkpoints_load_into_torch_adamw_and_back(world_of_one):
+    """state_dict() loads into torch's AdamW, and torch AdamW's (the DDP trainer's checkpoints) loads back:
+    the steps after either agree."""
+    inputs = _inputs(4)
+    net = _net()
+    optimizer = _sharded(net)
+    _train(net, optimizer, [[x] for x in inputs[:2]])
+    weights, state = optimizer.model_state_dict(), optimizer.state_dict()
+
+    theirs = _net()
+    theirs.load_state_dict(weights)
+    adamw = torch.optim.AdamW(theirs.parameters(), **HYPER)
+    adamw.load_state_dict(state)
+    ours = _net(seed=5)
+    resumed = _sharded(ours)
+    resumed.load_model_state_dict(weights)
+    resumed.load_state_dict(adamw.state_dict())
+    _train(ours, resumed, [[inputs[2]]])
+    _loss(theirs, inputs[2]).backward()
+    for p in theirs.parameters():
+        p.grad.mul_(MULTIPLIER)
+    adamw.step()
+    for got, want in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_a_weight_without_a_gradient_is_named(world_of_one):
+    net = _net()
+    optimizer = _sharded(net)
+    optimizer.begin_backward(first=True, last=True)
+    net.fc(_inputs(1)[0]).sum().backward()   # the layers take no part
+    with pytest.raises(RuntimeError, match=r"without a gradient .*'layers.0.0.bias'"):
+        optimizer.end_backward()
+
+
+# (micro-batches per rank and step, collectives through host copies as for CUDA tensors over gloo)
+RANK_CASES = [(1, False), (2, False), (1, True)]
+
+
+def _ranks_worker(rank: int, store_dir: str, world: int, out: str) -> None:
+    """`world` ranks, each its own micro-batches of each step, per RANK_CASES: the weights of every rank
+    after three steps, and the checkpoint gathered on rank 0 after two."""
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(store_dir, "store"), world), rank=rank,
+                            world_size=world)
+    try:
+        results = []
+        for micro_batches, through_host in RANK_CASES:
+            inputs = _inputs(3 * world * micro_batches)
+            per_step = world * micro_batches
+            steps = [inputs[i * per_step + rank * micro_batches:i * per_step + (rank + 1) * micro_batches]
+                     for i in range(3)]
+            net = _net()
+            optimizer = _sharded(net)
+            optimizer._through_host = through_host
+            bucket = optimizer.buckets[0]
+            assert 0 < bucket.hi - bucket.lo < bucket.compute.numel()   # a shard, not the whole bucket
+            norms = _train(net, optimizer, steps[:2])
+            weights, state = optimizer.model_state_dict(), optimizer.state_dict()
+            assert (weights is None) == (state is None) == (rank != 0)
+            norms += _train(net, optimizer, steps[2:])
+            results.append({"weights": {n: p.detach().clone() for n, p in net.named_parameters()}, "norms": norms,
+                            "checkpoint": (weights, state)})
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_make_the_update_of_one_rank_on_all_their_micro_batches(tmp_path, world_of_one):
+    """Two ranks with sharded masters and moments, one or two micro-batches each, collectives direct or
+    through host copies: every rank ends with the same weights, those of one rank training on both ranks'
+    micro-batches (and of torch's AdamW); the checkpoint gathered after two steps resumes on one rank to
+    the same third step."""
+    mp.spawn(_ranks_worker, args=(str(tmp_path), 2, str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for case, (micro_batches, _) in enumerate(RANK_CASES):
+        first, second = ranks[0][case], ranks[1][case]
+        for name, value in first["weights"].items():
+            assert torch.equal(value, second["weights"][name]), (RANK_CASES[case], name)
+
+        inputs = _inputs(6 * micro_batches)
+        steps = [inputs[i:i + 2 * micro_batches] for i in range(0, len(inputs), 2 * micro_batches)]
+        net = _net()
+        norms = _train(net, _sharded(net), steps)
+        for name, param in net.named_parameters():
+            torch.testing.assert_close(first["weights"][name], param.detach(), rtol=0, atol=1e-6)
+        assert first["norms"] == pytest.approx(norms, rel=1e-5)
+        want, _ = _reference(steps)
+        for got, expected in zip(net.parameters(), want.parameters()):
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+        weights, state = first["checkpoint"]
+        resumed_net = _net(seed=7)
+        resumed = _sharded(resumed_net)
+        resumed.load_model_state_dict(weights)
+        resumed.load_state_dict(state)
+        _train(resumed_net, resumed, steps[2:])
+        for got, expected in zip(resumed_net.parameters(), net.parameters()):
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_bf16_copies_train_as_the_fp32_drafter_under_autocast(world_of_one):
+    """The drafter with bf16 compute copies makes the fp32 drafter's step under autocast: the same bf16
+    weight gradients (autocast's casts were exactly the rounding the copies hold), AdamW's fp32 masters
+    within 1e-6 of torch's fused step on them, copies equal to the rounded masters; no call waits for the
+    device."""
+    from dflash_core.frozen_head import FrozenTargetHead
+    from dflash_core.model import DFlashDrafter
+    from dflash_core.objective import drafter_step
+    from tests.drafters import drafter_config
+
+    cfg = drafter_config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                         intermediate_size=512, vocab_size=1000, block_size=8, mask_token_id=999)
+    fp32, ours = DFlashDrafter(cfg, seed=0).cuda(), DFlashDrafter(cfg, seed=0).cuda()
+    optimizer = _sharded(ours, compute_dtype=torch.bfloat16)
+    adamw = torch.optim.AdamW(fp32.parameters(), **HYPER, fused=True)
+    head = FrozenTargetHead.random(cfg.vocab_size, cfg.hidden_size, seed=0, device="cuda", dtype=torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for step in range(3):
+        ids = torch.randint(0, cfg.mask_token_id, (1, 256), generator=gen, device="cuda")
+        hidden = torch.randn(1, 256, cfg.num_features * cfg.hidden_size, generator=gen, device="cuda",
+                             dtype=torch.bfloat16)
+        anchors = torch.randint(0, 255, (1, 16), generator=gen, device="cuda").sort(1).values
+        keep = torch.ones_like(anchors, dtype=torch.bool)
+        torch.cuda.set_sync_debug_mode("error" if step else "default")
+        try:
+            for model in (fp32, ours):
+                if model is ours:
+                    optimizer.begin_backward(first=True, last=True)
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    out = drafter_step(model, head, ids, torch.ones_like(ids), hidden, fixed_anchors=(anchors, keep),
+                                       backend="flex")
+                out.loss_sum.backward()
+            optimizer.end_backward()
+            norm = optimizer.grad_norm()
+            optimizer.step_scaled(1.0 / norm, torch.zeros((), dtype=torch.bool, device="cuda"))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for (name, mine), theirs in zip(ours.named_parameters(), fp32.parameters()):
+            assert torch.equal(mine.grad, theirs.grad.to(mine.dtype)), name
+        adamw.grad_scale, adamw.found_inf = norm.float(), torch.zeros((), device="cuda")
+        adamw.step()
+        optimizer.zero_grad()
+        adamw.zero_grad()
+    masters = optimizer.model_state_dict()
+    for (name, mine), theirs in zip(ours.named_parameters(), fp32.parameters()):
+        torch.testing.assert_close(masters[name], theirs.detach().cpu(), rtol=0, atol=1e-6)
+        assert torch.equal(mine.detach().cpu(), masters[name].to(mine.dtype)), name
