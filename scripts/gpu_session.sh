@@ -4,7 +4,8 @@
 #   bash scripts/gpu_session.sh bench                                (~8 min)
 #   bash scripts/gpu_session.sh stages gpu-tests   then   mix-e2e    (packed vs padded, issue 12; x2 for mix-e2e)
 #   bash scripts/gpu_session.sh shapes                               (Llama-3-8B, Qwen3.5-35B-A3B target rows)
-#   bash scripts/gpu_session.sh drafter-ab                           (the drafter step, this tree vs an older one)
+#   bash scripts/gpu_session.sh drafter-ab                           (the drafter step, this tree vs an older one;
+#                                                                      BENCH_ARGS reach both trees' runs)
 #   bash scripts/gpu_session.sh warm-start                           (t1d2 at the 8B shape on one GPU: the second
 #                                                                      drafter compiles from the first one's artefacts)
 #   bash scripts/gpu_session.sh adamw                                (AdamW variants against the HBM floor)
@@ -27,6 +28,13 @@ if [ -d fa4b ]; then
   tar -xJf fa4b/rest.tar.xz -C /tmp/site && cp -r /tmp/fa4site/nvidia_cutlass_dsl /tmp/site/ || exit 1
 fi
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
+# CLOCKS=1: the GPUs' SM clock, power and temperature every 250 ms while the stages run ($OUT/clocks.csv),
+# and nvidia-smi's clock, power and throttle report at the end ($OUT/nvsmi.txt).
+if [ "${CLOCKS:-0}" = 1 ]; then
+  nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
+    --format=csv -lms 250 > "$OUT/clocks.csv" 2>&1 &
+  trap 'kill %1 2>/dev/null; nvidia-smi -q -d PERFORMANCE,CLOCK,POWER > "$OUT/nvsmi.txt" 2>&1' EXIT
+fi
 GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 NPROC=$(( GPUS < 2 ? 2 : GPUS ))
 echo "torch $(python3 -c 'import torch; print(torch.__version__)'), $GPUS GPUs"
@@ -71,7 +79,7 @@ for s in "$@"; do case $s in
         name=$([ "$tree" = "$PWD" ] && echo this || echo base)$round
         (cd "$tree" && PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$tree timeout $(left 150) python3 -m launcher.bench --skip-target \
            --skip-e2e --skip-baseline --no-mix --seq 4096 --steps 30 --work-dir /tmp/ab_$(basename "$tree") \
-           --out /tmp/ab_$name.json) > "$OUT/ab_$name.log" 2>&1
+           --out /tmp/ab_$name.json ${BENCH_ARGS:-}) > "$OUT/ab_$name.log" 2>&1
         echo "== $name: $(grep -m1 'drafter alone' "$OUT/ab_$name.log" | cut -c1-120)"
       done; done ;;
   warm-start) stage warm_start timeout $(left 400) python3 -m launcher.bench --seq 4096 --skip-target --skip-drafter \
@@ -81,7 +89,7 @@ for s in "$@"; do case $s in
   adamw) stage adamw timeout $(left 150) python3 scripts/adamw_bench.py --out "$OUT/adamw.json" ;;
   flex-tiles) stage flex_tiles timeout $(left 300) python3 scripts/flex_tiles.py --configs default,flash \
                 --out "$OUT/flex_tiles.json" ;;
-  gpu-tests) stage gpu_tests timeout $(left 400) python3 -m pytest -q -s -p no:cacheprovider -m gpu tests ;;
+  gpu-tests) stage gpu_tests timeout $(left 400) python3 -m pytest -q -s -p no:cacheprovider -m gpu ${GPU_TESTS:-tests} ;;
   incident) stage incident timeout $(left 580) python3 -m launcher.bench --shape qwen3-27b --seq 4096 \
               --no-mix --skip-e2e --skip-baseline --e2e-topology t5d3 --work-dir /tmp/b27 --out "$OUT/incident.json" ;;
   incident-e2e) stage "incident_${TOPO:-t5d3}" timeout $(left 580) python3 -m launcher.bench --shape qwen3-27b \

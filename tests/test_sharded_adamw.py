@@ -235,10 +235,10 @@ def test_ranks_make_the_update_of_one_rank_on_all_their_micro_batches(tmp_path, 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_cuda_bf16_copies_train_as_the_fp32_drafter_under_autocast(world_of_one):
-    """The drafter with bf16 compute copies makes the fp32 drafter's step under autocast: the same bf16
-    weight gradients (autocast's casts were exactly the rounding the copies hold), AdamW's fp32 masters
-    within 1e-6 of torch's fused step on them, copies equal to the rounded masters; no call waits for the
-    device."""
+    """The drafter with bf16 compute copies trains as the fp32 drafter under autocast: its weight gradients
+    are the fp32 drafter's within bf16 rounding (not bitwise: cuBLAS may sum in another order for other
+    operands); the fp32 masters are torch's fused AdamW on them within 1e-6 and the copies the rounded
+    masters; no call waits for the device."""
     from dflash_core.frozen_head import FrozenTargetHead
     from dflash_core.model import DFlashDrafter
     from dflash_core.objective import drafter_step
@@ -248,7 +248,8 @@ def test_on_cuda_bf16_copies_train_as_the_fp32_drafter_under_autocast(world_of_o
                          intermediate_size=512, vocab_size=1000, block_size=8, mask_token_id=999)
     fp32, ours = DFlashDrafter(cfg, seed=0).cuda(), DFlashDrafter(cfg, seed=0).cuda()
     optimizer = _sharded(ours, compute_dtype=torch.bfloat16)
-    adamw = torch.optim.AdamW(fp32.parameters(), **HYPER, fused=True)
+    reference = [nn.Parameter(p.detach().clone()) for p in fp32.parameters()]   # AdamW on our gradients
+    adamw = torch.optim.AdamW(reference, **HYPER, fused=True)
     head = FrozenTargetHead.random(cfg.vocab_size, cfg.hidden_size, seed=0, device="cuda", dtype=torch.bfloat16)
     gen = torch.Generator(device="cuda").manual_seed(0)
     for step in range(3):
@@ -257,27 +258,34 @@ def test_on_cuda_bf16_copies_train_as_the_fp32_drafter_under_autocast(world_of_o
                              dtype=torch.bfloat16)
         anchors = torch.randint(0, 255, (1, 16), generator=gen, device="cuda").sort(1).values
         keep = torch.ones_like(anchors, dtype=torch.bool)
-        torch.cuda.set_sync_debug_mode("error" if step else "default")
-        try:
-            for model in (fp32, ours):
+        fp32.load_state_dict(optimizer.model_state_dict())
+        for model in (fp32, ours):
+            torch.cuda.set_sync_debug_mode("error" if step and model is ours else "default")
+            try:
                 if model is ours:
                     optimizer.begin_backward(first=True, last=True)
                 with torch.autocast("cuda", dtype=torch.bfloat16):
                     out = drafter_step(model, head, ids, torch.ones_like(ids), hidden, fixed_anchors=(anchors, keep),
                                        backend="flex")
                 out.loss_sum.backward()
-            optimizer.end_backward()
-            norm = optimizer.grad_norm()
-            optimizer.step_scaled(1.0 / norm, torch.zeros((), dtype=torch.bool, device="cuda"))
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+                if model is ours:
+                    optimizer.end_backward()
+                    norm = optimizer.grad_norm()
+                    grads = [p.grad.float() for p in ours.parameters()]
+                    optimizer.step_scaled(1.0 / norm, torch.zeros((), dtype=torch.bool, device="cuda"))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
         for (name, mine), theirs in zip(ours.named_parameters(), fp32.parameters()):
-            assert torch.equal(mine.grad, theirs.grad.to(mine.dtype)), name
+            assert mine.grad.dtype == mine.dtype and (mine.dtype == torch.bfloat16) == (mine.dim() == 2), name
+            error = (mine.grad.float() - theirs.grad).norm() / theirs.grad.norm()
+            assert error < 1e-2, (name, float(error))
+        for param, grad in zip(reference, grads):
+            param.grad = grad
         adamw.grad_scale, adamw.found_inf = norm.float(), torch.zeros((), device="cuda")
         adamw.step()
         optimizer.zero_grad()
-        adamw.zero_grad()
+        fp32.zero_grad()
     masters = optimizer.model_state_dict()
-    for (name, mine), theirs in zip(ours.named_parameters(), fp32.parameters()):
+    for (name, mine), theirs in zip(ours.named_parameters(), reference):
         torch.testing.assert_close(masters[name], theirs.detach().cpu(), rtol=0, atol=1e-6)
         assert torch.equal(mine.detach().cpu(), masters[name].to(mine.dtype)), name

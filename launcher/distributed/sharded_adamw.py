@@ -17,8 +17,8 @@ Which weights: *matrices* (the Linear weights, all but 0.02% of the drafter) are
 dtype, as views of one flat buffer per bucket (each decoder layer's, and one for the rest), and
 sharded; *vectors* (norm weights, biases) stay fp32 in the model (autocast casts a bias for its GEMM,
 as before) and are replicated: every rank updates them all. So a step computes what the fp32 model
-under autocast computed: the same bf16 weights (rounded to nearest even) and, for one micro-batch,
-the same bf16 weight gradients.
+under autocast computed: the same bf16 weights (rounded to nearest even) in the same GEMMs, and
+bf16 weight gradients that autocast cast to fp32 (equal but for the GEMM kernels' summation order).
 
 Gradients: with one rank and one micro-batch the update reads each weight's gradient where autograd
 left it (bf16 for a matrix: no copy, no cast). Otherwise a hook adds each gradient to an fp32 buffer
@@ -66,8 +66,9 @@ def _through_host(collective, output: torch.Tensor, input: torch.Tensor, group) 
     return _Done()
 
 
-# Elements: every weight's view and every shard starts 128-byte aligned (the compiled kernels' loads).
-ALIGN = 64
+# Elements: every weight's view and every shard starts 256-byte aligned (bf16), as a fresh allocation
+# would: cuBLAS picks its GEMM kernels by the operands' alignment, up to 256 bytes.
+ALIGN = 128
 
 
 @dataclasses.dataclass
