@@ -84,15 +84,16 @@ def drafter_step_flops(cfg, seq_len: int, anchors) -> float:
 def drafter_step_min_bytes(cfg, seq_len: int, anchors: int) -> dict:
     """A lower bound on the HBM bytes one drafter step must move, every tensor touched once:
     the bf16 features read (S * L*H * 2), the bf16 LM head read (V*H*2; the embedding gather is
-    negligible), and per fp32 master parameter 36 B: read for compute (4), gradient written (4),
-    AdamW reads param, grad, m, v (16) and writes param, m, v (12). Activations are left out."""
+    negligible), and per matrix weight 32 B (launcher/distributed/sharded_adamw.py): its bf16 compute
+    copy read for the GEMMs (2), its bf16 gradient written (2), AdamW reads the fp32 master, gradient,
+    m, v (14) and writes master, m, v and the copy (14). Activations and the norm weights are left out."""
     params = (cfg.num_hidden_layers * layer_matmul_params(cfg.hidden_size, cfg.num_attention_heads,
                                                           cfg.num_key_value_heads, cfg.head_dim,
                                                           cfg.intermediate_size)
               + cfg.num_features * cfg.hidden_size ** 2)
     parts = {"features": seq_len * cfg.num_features * cfg.hidden_size * 2,
              "lm_head": cfg.vocab_size * cfg.hidden_size * 2,
-             "params_and_adamw": 36 * params}
+             "params_and_adamw": 32 * params}
     parts["total"] = sum(parts.values())
     return parts
 

@@ -7,12 +7,16 @@ import re
 
 import torch
 
-# First match wins: flex kernels are Triton too, and must not land in "compiled glue".
+# First match wins: flex kernels are Triton too, and must not land in "compiled glue"; flash-attn-4's
+# are CuTe (CUTLASS) kernels, and must not land in "gemm".
 KERNEL_CATEGORIES = (
+    ("flash_backward", re.compile(r"flash_attn.*(bwd|backward)", re.I)),
+    ("flash_forward", re.compile(r"flash_attn", re.I)),
     ("gemm", re.compile(r"nvjet|gemm|cutlass|xmma|cublas|sm90_", re.I)),
     ("flex_backward", re.compile(r"flex_attention_backward", re.I)),
     ("flex_forward", re.compile(r"flex_attention", re.I)),
     ("optimizer", re.compile(r"multi_tensor_apply|adam", re.I)),
+    ("head_loss", re.compile(r"^(row_stats|gradient)_kernel$")),   # dflash_core/head_loss_kernels.py
     ("compiled_glue", re.compile(r"^triton_", re.I)),
     ("copy_fill", re.compile(r"memcpy|memset|copy|fill", re.I)),
 )
