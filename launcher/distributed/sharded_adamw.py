@@ -122,6 +122,10 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.named = list(model.named_parameters())
+        if self.world > 1:   # every rank starts from the first rank's weights, as DDP made them
+            with torch.no_grad():
+                for _, param in self.named:
+                    dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
         self._index = {id(p): i for i, (_, p) in enumerate(self.named)}
         self._name = {id(p): name for name, p in self.named}
         self.buckets = self._layout(compute_dtype)
