@@ -166,7 +166,7 @@ class DrafterTrainer:
         """AdamW on gradients * multiplier, or no update at all where `skipped`. The kernel (on CUDA
         dflash_core/fused_adamw.py's, on CPU torch's fused one given AMP's grad_scale and found_inf)
         scales each gradient as it reads it and does nothing where `skipped`, sparing a separate pass
-        that rescales 4 GB of gradients (8B shape) and a host read of the skip decision."""
+        over every gradient (2 GB of them at the 8B shape) and a host read of the skip decision."""
         self.optimizer.step_scaled(multiplier, skipped)
 
     def warm_up(self, rows: int, seq_len: int, evaluates: bool) -> float:
