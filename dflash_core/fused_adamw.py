@@ -13,11 +13,13 @@ where casting the fp32 weights before each forward GEMM moved 6.
 Same arithmetic as torch's AdamW (decoupled weight decay, bias-corrected moments, `exp_avg` by
 lerp). Off CUDA, torch's own fused step runs instead, so a CPU run computes torch's AdamW exactly."""
 
+import functools
 import math
 
 import torch
 
 
+@functools.cache   # built on first use: importing Triton costs a process that never steps on CUDA
 def _kernel():
     import triton
     import triton.language as tl
@@ -50,7 +52,6 @@ def _kernel():
     return adamw_kernel
 
 
-_KERNEL = None
 # Elements and warps per program: the fastest pair measured on an H200 (1.05 B fp32 parameters,
 # scripts/adamw_bench.py).
 BLOCK, NUM_WARPS = 1024, 4
@@ -76,13 +77,10 @@ def adamw_(masters, grads, exp_avgs, exp_avg_sqs, step, *, lr: float, beta1: flo
         if written:
             torch._foreach_copy_(*map(list, zip(*written)))
         return
-    global _KERNEL
-    if _KERNEL is None:
-        _KERNEL = _kernel()
     multiplier = multiplier.float()
     for master, grad, exp_avg, exp_avg_sq, compute in zip(masters, grads, exp_avgs, exp_avg_sqs, computes):
         numel = master.numel()
-        _KERNEL[((numel + BLOCK - 1) // BLOCK,)](
+        _kernel()[((numel + BLOCK - 1) // BLOCK,)](
             master, grad, exp_avg, exp_avg_sq, master if compute is None else compute, numel, step, multiplier,
             skip, lr, beta1, beta2, math.log2(beta1), math.log2(beta2), eps, weight_decay,
             WRITE_COMPUTE=compute is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)

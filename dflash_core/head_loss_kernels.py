@@ -16,11 +16,14 @@ logits only to turn them into this gradient, so the 0.6 GB second [rows, V] buff
 never allocated. Each element is read and written by the same program, and the statistics kernel
 has read the whole row before the gradient kernel starts (same stream), so in place is safe."""
 
+import functools
+
 import torch
 
 from .objective import loss_weights
 
 
+@functools.cache   # built on first use: importing Triton costs a process that never steps on CUDA
 def _kernels():
     import triton
     import triton.language as tl
@@ -62,7 +65,6 @@ def _kernels():
     return row_stats_kernel, gradient_kernel
 
 
-_KERNELS = None
 # Logits per program step and warps per program, for both kernels; not yet tuned on an H200. At
 # 8 warps a step of 4096 bf16 logits is two 16-byte loads per thread (vectorised when V % 16 == 0,
 # which Triton specialises on: 151936 is), and sm_90 builds need 40 (statistics) and 32 (gradient)
@@ -77,10 +79,7 @@ def head_loss_terms_triton(logits, labels, weights, loss_type, gamma, alpha):
 
     The logits are consumed: a contiguous `logits` holds the returned gradient afterwards (the
     gradient IS that tensor), so a caller must not read its logits after this call."""
-    global _KERNELS
-    if _KERNELS is None:
-        _KERNELS = _kernels()
-    row_stats_kernel, gradient_kernel = _KERNELS
+    row_stats_kernel, gradient_kernel = _kernels()
     logits = logits.contiguous()
     rows, vocab = logits.shape
     flat_labels = labels.reshape(-1).contiguous()

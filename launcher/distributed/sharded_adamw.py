@@ -74,7 +74,6 @@ ALIGN = 128
 @dataclasses.dataclass
 class _Bucket:
     """Weights whose gradients are reduced together, laid out in one flat buffer."""
-    names: list[str]
     params: list[nn.Parameter]
     offsets: list[int]              # of each weight in the flat layout
     compute: torch.Tensor           # [numel]: the weights' own storage (each param is a view of it)
@@ -150,27 +149,27 @@ class ShardedAdamW(torch.optim.Optimizer):
         matrices: dict[str, list] = {}
         vectors = []
         for name, param in self.named:
-            (matrices.setdefault(_bucket_key(name), []) if param.dim() >= 2 else vectors).append((name, param))
+            (matrices.setdefault(_bucket_key(name), []) if param.dim() >= 2 else vectors).append(param)
         layers = sorted((k for k in matrices if k != "other"), key=lambda k: -int(k.split(".")[1]))
-        groups = [(matrices[k], compute_dtype, True) for k in layers + (["other"] if "other" in matrices else [])]
+        groups = [(matrices.get(k, []), compute_dtype, True) for k in layers + ["other"]]
         groups.append((vectors, torch.float32, False))
         return [self._bucket(members, dtype, sharded) for members, dtype, sharded in groups if members]
 
     def _bucket(self, members: list, dtype: torch.dtype, sharded: bool) -> _Bucket:
         offsets, numel = [], 0
-        for _, param in members:
+        for param in members:
             offsets.append(numel)
             numel += _aligned(param.numel())
         parts = self.world if sharded else 1
         numel = _aligned(numel, ALIGN * parts)
         lo = self.rank * numel // parts if sharded else 0
         hi = lo + numel // parts
-        device = members[0][1].device
+        device = members[0].device
         compute = torch.zeros(numel, dtype=dtype, device=device)
         separate = dtype != torch.float32
         master = torch.zeros(hi - lo, device=device) if separate else compute[lo:hi]
         with torch.no_grad():
-            for (_, param), offset in zip(members, offsets):
+            for param, offset in zip(members, offsets):
                 flat = param.detach().reshape(-1)
                 where = _overlap(offset, flat.numel(), lo, hi)
                 if separate and where is not None:   # the master from the fp32 weight, before it is rounded
@@ -178,8 +177,8 @@ class ShardedAdamW(torch.optim.Optimizer):
                 view = compute[offset:offset + flat.numel()]
                 view.copy_(flat)
                 param.data = view.view(param.shape)
-        return _Bucket([n for n, _ in members], [p for _, p in members], offsets, compute, sharded, lo, hi, master,
-                       torch.zeros_like(master), torch.zeros_like(master))
+        return _Bucket(members, offsets, compute, sharded, lo, hi, master, torch.zeros_like(master),
+                       torch.zeros_like(master))
 
     # ------------------------------------------------------------------ gradients
     def begin_backward(self, first: bool, last: bool) -> None:
@@ -339,8 +338,8 @@ class ShardedAdamW(torch.optim.Optimizer):
                            f"unexpected {sorted(set(weights) - set(names))}")
         with torch.no_grad():
             for bucket in self.buckets:
-                for name, param, offset in zip(bucket.names, bucket.params, bucket.offsets):
-                    value = weights[name].to(device=param.device, dtype=torch.float32).reshape(-1)
+                for param, offset in zip(bucket.params, bucket.offsets):
+                    value = weights[self._name[id(param)]].to(device=param.device, dtype=torch.float32).reshape(-1)
                     param.copy_(value.view(param.shape))
                     where = _overlap(offset, param.numel(), bucket.lo, bucket.hi)
                     if bucket.separate_master and where is not None:
