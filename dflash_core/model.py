@@ -253,10 +253,19 @@ def _normed(norm, x):
 _compiled_normed = compiled_function("rms_norm", _normed)
 
 
+def _no_wait(*modules):
+    pass
+
+
 class DFlashDrafter(nn.Module):
     def __init__(self, cfg, *, seed=None):
         super().__init__()
         self.config = cfg
+        # Called by forward with the submodules whose weights it is about to read, in the order it reads
+        # them. A trainer whose optimiser is still moving the last update's weights in (the launcher's
+        # sharded AdamW all-gathers them across its ranks) sets it to wait there, so the transfers
+        # overlap the forward.
+        self.weights_ready = _no_wait
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.fc = nn.Linear(cfg.num_features * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -296,6 +305,7 @@ class DFlashDrafter(nn.Module):
             # Without autocast, compute in the parameter dtype (features arrive in bf16).
             context_features = context_features.to(self.fc.weight.dtype)
             block_embeds = block_embeds.to(self.fc.weight.dtype)
+        self.weights_ready(self.fc, self.hidden_norm)
         ctx = self.context(context_features, compiled)
 
         if position_ids is None:  # also serves an anchor just past the context (speculative decoding)
@@ -320,5 +330,7 @@ class DFlashDrafter(nn.Module):
             # gradient: a second compiled graph. ~0.4 GFLOP x blocks of input-gradient work spares it.
             h = h.detach().requires_grad_()
         for layer, layer_type in zip(self.layers, cfg.layer_types):
+            self.weights_ready(layer)
             h = run_layer(layer, h, ctx, context_rope, rope, masks[layer_type], backend)
+        self.weights_ready(self.norm)
         return (_compiled_normed if compiled else _normed)(self.norm, h)

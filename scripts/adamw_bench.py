@@ -13,7 +13,10 @@ so its floor is 28 bytes x parameters / the HBM bandwidth (4.8 TB/s on H200). Va
                GEMMs (layer shapes, 8192 query rows): how much of the update such an overlap would hide
   one_pass_*   dflash_core.fused_adamw (the trainer's update) at several tile sizes, and its largest
                difference from the fused update; one_pass_bf16_copies: as the trainer runs it on GPU, bf16
-               gradients in and bf16 compute copies out for the matrices (also 28 bytes per weight)"""
+               gradients in and bf16 compute copies out for the matrices (also 28 bytes per weight)
+  norm_*       the clip norm over those gradients (bf16 matrices, fp32 vectors; ~2 bytes per weight read):
+               torch's `_foreach_norm` with an fp32 result (the trainer's until the tenth session) against
+               dflash_core.fused_adamw.sum_of_squares, and their relative difference"""
 
 import argparse
 import json
@@ -119,6 +122,23 @@ def _one_pass(shapes, device, reps: int, report, scale, skip) -> None:
                                    **hyper), device, reps))
 
 
+def _gradient_norm(shapes, device, reps: int, report) -> None:
+    from dflash_core import fused_adamw
+
+    grads = [torch.randn(s, device=device, dtype=torch.bfloat16 if len(s) == 2 else torch.float32) for s in shapes]
+    moved = sum(g.numel() * g.element_size() for g in grads)
+
+    def per_tensor():
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+
+    def one_pass():
+        return fused_adamw.sum_of_squares(grads).sqrt()
+
+    difference = float((per_tensor() - one_pass()).abs() / per_tensor())
+    report("norm_foreach", _timed(per_tensor, device, reps), moved=moved)
+    report("norm_sum_of_squares", _timed(one_pass, device, reps), moved=moved, relative_difference=difference)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=20)
@@ -131,10 +151,12 @@ def main() -> None:
     floor_ms = 28 * numel / (args.hbm_tb_s * 1e12) * 1e3
     rows = {}
 
-    def report(name, seconds, **extra):
-        rows[name] = {"ms": seconds * 1e3, "tb_s": 28 * numel / seconds / 1e12,
-                      "of_floor": floor_ms / (seconds * 1e3), **extra}
-        print(f"{name:11s} {seconds * 1e3:7.2f} ms  {rows[name]['tb_s']:.2f} TB/s  floor {floor_ms:.2f} ms  "
+    def report(name, seconds, moved=28 * numel, **extra):
+        """moved: the bytes the row reads and writes (the update's 28 per weight unless given)."""
+        floor = moved / (args.hbm_tb_s * 1e12) * 1e3
+        rows[name] = {"ms": seconds * 1e3, "tb_s": moved / seconds / 1e12, "of_floor": floor / (seconds * 1e3),
+                      **extra}
+        print(f"{name:11s} {seconds * 1e3:7.2f} ms  {rows[name]['tb_s']:.2f} TB/s  floor {floor:.2f} ms  "
               f"{extra}", flush=True)
 
     scale, skip = torch.tensor(2.0, device=device), torch.tensor(0.0, device=device)
@@ -147,6 +169,7 @@ def main() -> None:
 
     _overlapped(shapes, device, args.reps, report)
     _one_pass(shapes, device, args.reps, report, scale, skip)
+    _gradient_norm(shapes, device, args.reps, report)
 
     params = _params(shapes, device, False)
     opt = torch.optim.AdamW(params, lr=torch.tensor(1e-4, device=device), weight_decay=0.01, foreach=True,

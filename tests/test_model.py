@@ -160,6 +160,29 @@ def test_forward_casts_bf16_inputs_to_the_parameter_dtype():
     assert out.dtype == torch.float32
 
 
+
+def test_forward_announces_every_weight_before_reading_it():
+    """weights_ready (the hook a sharded optimiser's all-gathers wait in) names a module, or one it lies in,
+    before any of its weights is read, and names every weight of the drafter once per forward."""
+    drafter = DFlashDrafter(tiny_config(layer_types=["full_attention", "sliding_attention"], sliding_window=5),
+                            seed=0)
+    announced, unannounced = set(), []
+    names = {id(p): name for name, p in drafter.named_parameters()}
+
+    def ready(*modules):
+        for module in modules:
+            announced.update(id(p) for p in module.parameters())
+
+    def check(module, _inputs):
+        unannounced.extend(names[id(p)] for p in module.parameters(recurse=False) if id(p) not in announced)
+    drafter.weights_ready = ready
+    for module in drafter.modules():
+        module.register_forward_pre_hook(check)
+    anchors, keep = torch.tensor([[1, 3]]), torch.tensor([[True, True]])
+    drafter(torch.randn(1, 8, 64), torch.randn(1, 8, 32), anchors, keep, backend="sdpa").sum().backward()
+    assert not unannounced
+    assert announced == set(names)
+
 # ---- frozen target head ----
 
 def save_tiny_target(path, *, tied, **save_kwargs):

@@ -17,17 +17,21 @@ MULTIPLIER = 0.5
 
 class Net(nn.Module):
     """Two 'layers' and an 'fc' of odd sizes (shard and alignment boundaries fall inside weights), with
-    biases and a norm (vectors) besides the matrices."""
+    biases and a norm (vectors) besides the matrices; like the drafter, it announces each module's weights
+    to `weights_ready` before reading them."""
 
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(5, 9, bias=False)
         self.layers = nn.ModuleList(nn.Sequential(nn.Linear(9, 67), nn.LayerNorm(67), nn.Linear(67, 9, bias=False))
                                     for _ in range(2))
+        self.weights_ready = lambda *modules: None
 
     def forward(self, x):
+        self.weights_ready(self.fc)
         x = self.fc(x)
         for layer in self.layers:
+            self.weights_ready(layer)
             x = x + layer(x)
         return x
 
@@ -47,7 +51,9 @@ def _loss(net, x):
 
 
 def _sharded(net, group=None, compute_dtype=torch.float32) -> ShardedAdamW:
-    return ShardedAdamW(net, group or dist.group.WORLD, compute_dtype=compute_dtype, **HYPER)
+    optimizer = ShardedAdamW(net, group or dist.group.WORLD, compute_dtype=compute_dtype, **HYPER)
+    net.weights_ready = optimizer.wait_for_weights
+    return optimizer
 
 
 def _train(net, optimizer, steps: list[list[torch.Tensor]], skip_step: int | None = None,
@@ -191,12 +197,27 @@ def _ranks_worker(rank: int, store_dir: str, world: int, out: str) -> None:
             norms = _train(net, optimizer, steps[:2])
             weights, state = optimizer.model_state_dict(), optimizer.state_dict()
             assert (weights is None) == (state is None) == (rank != 0)
+            announced = _announced(net, optimizer)
             norms += _train(net, optimizer, steps[2:])
+            optimizer.wait_for_weights()   # the last update's all-gathers, before the weights are read here
             results.append({"weights": {n: p.detach().clone() for n, p in net.named_parameters()}, "norms": norms,
-                            "checkpoint": (weights, state)})
+                            "checkpoint": (weights, state), "announced": announced})
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def _announced(net, optimizer) -> list[tuple[str, list[int]]]:
+    """Records, for the rest of the run, each module the forward announces and the buckets whose all-gather
+    was still unwaited at that moment."""
+    calls = []
+    names = {id(module): name for name, module in net.named_modules()}
+
+    def recording(*modules):
+        calls.append((names[id(modules[0])], sorted(optimizer._gathering)))
+        optimizer.wait_for_weights(*modules)
+    net.weights_ready = recording
+    return calls
 
 
 def test_ranks_make_the_update_of_one_rank_on_all_their_micro_batches(tmp_path, world_of_one):
@@ -208,6 +229,11 @@ def test_ranks_make_the_update_of_one_rank_on_all_their_micro_batches(tmp_path, 
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for case, (micro_batches, _) in enumerate(RANK_CASES):
         first, second = ranks[0][case], ranks[1][case]
+        # The third step's first forward: every bucket's all-gather from the second update was still
+        # unwaited when it began (buckets are in backward order: layers.1, layers.0, other(fc), vectors),
+        # and each module waited for its own before reading it, the later layers' still in flight.
+        sharded = [0, 1, 2]
+        assert first["announced"][:3] == [("fc", sharded), ("layers.0", [0, 1]), ("layers.1", [0])], first["announced"]
         for name, value in first["weights"].items():
             assert torch.equal(value, second["weights"][name]), (RANK_CASES[case], name)
 

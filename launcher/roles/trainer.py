@@ -93,6 +93,8 @@ class DrafterTrainer:
         # writes (on GPU); it also sums the ranks' gradients (launcher/distributed/sharded_adamw.py).
         self.optimizer = ShardedAdamW(self.drafter, group, compute_dtype=self.amp_dtype, lr=o.lr,
                                       betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        # Each step's forward waits for the last update's all-gathered weights layer by layer, not all at once.
+        self.drafter.weights_ready = self.optimizer.wait_for_weights
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_multiplier(o, cfg.train.steps))
         self.step_kwargs = dataclasses.asdict(job.step)
         # Context tokens trained on by every drafter rank, over the whole lineage (on the device: no step reads it).
