@@ -114,9 +114,11 @@ def adamw_(masters, grads, exp_avgs, exp_avg_sqs, step, *, lr: float, beta1: flo
             WRITE_COMPUTE=compute is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 
-# Elements per program of the sum of squares and per iteration of its loop: 16 K programs for the drafter's
-# 1.05 B gradients, a 64 KB buffer of partial sums.
-SQUARES_CHUNK, SQUARES_BLOCK = 65536, 2048
+# Elements per program of the sum of squares, per iteration of its loop, and warps per program. Each
+# tensor is its own launch, so a program's share must be small enough for the smallest to fill the GPU:
+# with 64 K elements per program a [4096, 4096] gradient ran 256 programs and the pass 1.28 TB/s
+# (scripts/adamw_bench.py, norm_* rows). 1 MB of partial sums for the drafter's 1.05 B gradients.
+SQUARES_CHUNK, SQUARES_BLOCK, SQUARES_WARPS = 4096, 4096, 4
 
 
 def sum_of_squares(tensors) -> torch.Tensor:
@@ -132,6 +134,6 @@ def sum_of_squares(tensors) -> torch.Tensor:
     start = 0
     for tensor, count in zip(tensors, programs):
         _sum_of_squares_kernel()[(count,)](tensor, tensor.numel(), partials[start:], CHUNK=SQUARES_CHUNK,
-                                          BLOCK=SQUARES_BLOCK, num_warps=NUM_WARPS)
+                                          BLOCK=SQUARES_BLOCK, num_warps=SQUARES_WARPS)
         start += count
     return partials.sum()

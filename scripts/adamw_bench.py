@@ -16,7 +16,8 @@ so its floor is 28 bytes x parameters / the HBM bandwidth (4.8 TB/s on H200). Va
                gradients in and bf16 compute copies out for the matrices (also 28 bytes per weight)
   norm_*       the clip norm over those gradients (bf16 matrices, fp32 vectors; ~2 bytes per weight read):
                torch's `_foreach_norm` with an fp32 result (the trainer's until the tenth session) against
-               dflash_core.fused_adamw.sum_of_squares, and their relative difference"""
+               dflash_core.fused_adamw.sum_of_squares at a few (elements, tile, warps) per program, and the
+               relative difference of the kept one"""
 
 import argparse
 import json
@@ -136,7 +137,12 @@ def _gradient_norm(shapes, device, reps: int, report) -> None:
 
     difference = float((per_tensor() - one_pass()).abs() / per_tensor())
     report("norm_foreach", _timed(per_tensor, device, reps), moved=moved)
-    report("norm_sum_of_squares", _timed(one_pass, device, reps), moved=moved, relative_difference=difference)
+    kept = fused_adamw.SQUARES_CHUNK, fused_adamw.SQUARES_BLOCK, fused_adamw.SQUARES_WARPS
+    for config in (kept, (8192, 2048, 4), (8192, 4096, 8), (16384, 4096, 4), (65536, 2048, 4)):
+        fused_adamw.SQUARES_CHUNK, fused_adamw.SQUARES_BLOCK, fused_adamw.SQUARES_WARPS = config
+        report("norm_sum_of_squares_{}_{}_{}".format(*config), _timed(one_pass, device, reps), moved=moved,
+               relative_difference=difference if config == kept else None)
+    fused_adamw.SQUARES_CHUNK, fused_adamw.SQUARES_BLOCK, fused_adamw.SQUARES_WARPS = kept
 
 
 def main() -> None:
