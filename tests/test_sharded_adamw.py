@@ -199,9 +199,11 @@ def _ranks_worker(rank: int, store_dir: str, world: int, out: str) -> None:
             assert (weights is None) == (state is None) == (rank != 0)
             announced = _announced(net, optimizer)
             norms += _train(net, optimizer, steps[2:])
+            in_flight = sorted(optimizer._gathering)
             optimizer.wait_for_weights()   # the last update's all-gathers, before the weights are read here
+            assert not optimizer._gathering
             results.append({"weights": {n: p.detach().clone() for n, p in net.named_parameters()}, "norms": norms,
-                            "checkpoint": (weights, state), "announced": announced})
+                            "checkpoint": (weights, state), "announced": announced, "in_flight": in_flight})
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -234,6 +236,7 @@ def test_ranks_make_the_update_of_one_rank_on_all_their_micro_batches(tmp_path, 
         # and each module waited for its own before reading it, the later layers' still in flight.
         sharded = [0, 1, 2]
         assert first["announced"][:3] == [("fc", sharded), ("layers.0", [0, 1]), ("layers.1", [0])], first["announced"]
+        assert first["in_flight"] == sharded   # after the last update, until wait_for_weights()
         for name, value in first["weights"].items():
             assert torch.equal(value, second["weights"][name]), (RANK_CASES[case], name)
 

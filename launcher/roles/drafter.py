@@ -184,7 +184,7 @@ def run_drafter(ctx: Context, sink: MetricsSink | None) -> dict:
         log.info("curves: %s", plot_run(ctx.run_dir))
         if cfg.run.export:
             # A resumed run re-writes its own previous export.
-            export_drafter(trainer.drafter, ctx.run_dir / "export", overwrite=True,
+            export_drafter(trainer.updated_drafter(), ctx.run_dir / "export", overwrite=True,
                            card=_card(ctx, trainer, books.last_eval))
             log.info("exported the drafter to %s", ctx.run_dir / "export")
     recompiles = compile_count() - graphs_before_stream if ctx.job.compile.warm_up_shape else None

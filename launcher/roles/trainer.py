@@ -2,7 +2,7 @@
 
 Public surface (the drafter loop and the benchmark use nothing else): `DrafterTrainer(job, group)`,
 `train_step(batches)` -> `LaunchedStep` (`.result()`), `evaluate(batches)`, `warm_up()`, `state()` /
-`load_state()`.
+`load_state()`, `updated_drafter()`.
 
 A step never waits for the GPU: every value the host wants (loss, counts, gradient norm, whether
 the update was skipped) is copied out behind the step's own kernels and read with
@@ -116,6 +116,12 @@ class DrafterTrainer:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
+
+    def updated_drafter(self) -> DFlashDrafter:
+        """The drafter with every weight of the last update in place, for reading its parameters outside a
+        forward (the export): with several drafter ranks the update's all-gathers may still be in flight."""
+        self.optimizer.wait_for_weights()
+        return self.drafter
 
     def state(self, step: int) -> dict | None:
         """The checkpoint's state on the lead drafter (None on the others). Collective: every drafter
