@@ -17,7 +17,8 @@ so its floor is 28 bytes x parameters / the HBM bandwidth (4.8 TB/s on H200). Va
   norm_*       the clip norm over those gradients (bf16 matrices, fp32 vectors; ~2 bytes per weight read):
                torch's `_foreach_norm` with an fp32 result (the trainer's until the tenth session) against
                dflash_core.fused_adamw.sum_of_squares at a few (elements, tile, warps) per program, and the
-               relative difference of the kept one"""
+               relative difference of the kept one; device time (`_timed_on_device`), since queueing their
+               58 small launches takes the host longer than the GPU takes to run them"""
 
 import argparse
 import json
@@ -51,6 +52,24 @@ def _timed(step, device, reps: int) -> float:
         step()
     torch.cuda.synchronize(device)
     return (time.perf_counter() - start) / reps
+
+
+def _timed_on_device(step, device, reps: int) -> float:
+    """Device seconds per call of `step` when queueing it takes the host longer than the GPU takes to run
+    it (the norm rows: 58 launches of a ~10 us kernel, where `_timed` measured the host): the GPU sleeps
+    while the host queues all `reps` calls (keep reps x launches under CUDA's ~1000 queued kernels), then
+    runs them back to back between two events."""
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000_000)   # ~0.5-0.7 s of clock cycles: longer than queueing the calls takes
+    start.record()
+    for _ in range(reps):
+        step()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / 1e3 / reps
 
 
 def _overlapped(shapes, device, reps: int, report) -> None:
@@ -123,7 +142,7 @@ def _one_pass(shapes, device, reps: int, report, scale, skip) -> None:
                                    **hyper), device, reps))
 
 
-def _gradient_norm(shapes, device, reps: int, report) -> None:
+def _gradient_norm(shapes, device, report, reps: int = 8) -> None:
     from dflash_core import fused_adamw
 
     grads = [torch.randn(s, device=device, dtype=torch.bfloat16 if len(s) == 2 else torch.float32) for s in shapes]
@@ -136,11 +155,11 @@ def _gradient_norm(shapes, device, reps: int, report) -> None:
         return fused_adamw.sum_of_squares(grads).sqrt()
 
     difference = float((per_tensor() - one_pass()).abs() / per_tensor())
-    report("norm_foreach", _timed(per_tensor, device, reps), moved=moved)
+    report("norm_foreach", _timed_on_device(per_tensor, device, reps), moved=moved)
     kept = fused_adamw.SQUARES_CHUNK, fused_adamw.SQUARES_BLOCK, fused_adamw.SQUARES_WARPS
     for config in (kept, (8192, 2048, 4), (8192, 4096, 8), (16384, 4096, 4), (65536, 2048, 4)):
         fused_adamw.SQUARES_CHUNK, fused_adamw.SQUARES_BLOCK, fused_adamw.SQUARES_WARPS = config
-        report("norm_sum_of_squares_{}_{}_{}".format(*config), _timed(one_pass, device, reps), moved=moved,
+        report("norm_sum_of_squares_{}_{}_{}".format(*config), _timed_on_device(one_pass, device, reps), moved=moved,
                relative_difference=difference if config == kept else None)
     fused_adamw.SQUARES_CHUNK, fused_adamw.SQUARES_BLOCK, fused_adamw.SQUARES_WARPS = kept
 
@@ -175,7 +194,7 @@ def main() -> None:
 
     _overlapped(shapes, device, args.reps, report)
     _one_pass(shapes, device, args.reps, report, scale, skip)
-    _gradient_norm(shapes, device, args.reps, report)
+    _gradient_norm(shapes, device, report)
 
     params = _params(shapes, device, False)
     opt = torch.optim.AdamW(params, lr=torch.tensor(1e-4, device=device), weight_decay=0.01, foreach=True,
