@@ -302,10 +302,11 @@ class ShardedAdamW(torch.optim.Optimizer):
                 work.wait()
 
     def _buckets_of(self, module: nn.Module) -> list[int]:
+        """The indices of the buckets that hold `module`'s weights."""
         key = id(module)
         if key not in self._module_buckets:
-            position = {id(b): i for i, b in enumerate(self.buckets)}
-            self._module_buckets[key] = sorted({position[id(self._where[id(p)][0])] for p in module.parameters()})
+            held = {id(self._where[id(p)][0]) for p in module.parameters()}
+            self._module_buckets[key] = [i for i, b in enumerate(self.buckets) if id(b) in held]
         return self._module_buckets[key]
 
     def _accumulated_segments(self):
