@@ -267,8 +267,9 @@ class ShardedAdamW(torch.optim.Optimizer):
     # ------------------------------------------------------------------ update
     def step_scaled(self, multiplier: torch.Tensor, skip: torch.Tensor) -> None:
         """AdamW on gradient * `multiplier` (0-d tensor), or no update at all where `skip` (0-d tensor)
-        is nonzero; then every rank holds every compute copy again."""
-        self.wait_for_weights()   # the forward that made these gradients has, unless it skipped the hook
+        is nonzero, on this rank's shard; then the all-gathers of the new compute copies start, and
+        `wait_for_weights` waits for them."""
+        self.wait_for_weights()   # the last update's (a no-op after a forward: it waited for every bucket)
         segments = self._accumulated_segments() if self._accumulate else self._direct_segments()
         masters, grads, exp_avgs, exp_avg_sqs, computes = map(list, zip(*segments))
         group = self.param_groups[0]
