@@ -87,9 +87,8 @@ def generation_config(cfg: DictConfig, stop_ids: list[int], pad_id: int):
     return GenerationConfig(do_sample=True, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, **common)
 
 
-def answer(model, tokenizer, prompts: list[Prompt], gen_config, stop_ids: list[int],
-           pad_id: int) -> list[tuple[str, bool]]:
-    """(text, finished) per prompt: one left-padded generate() call for the whole batch."""
+def generate(model, prompts: list[Prompt], gen_config, pad_id: int) -> list[list[int]]:
+    """The new tokens of each prompt: one left-padded generate() call for the whole batch."""
     import torch
     width = max(len(p.token_ids) for p in prompts)
     # Left padding: every row's last prompt token sits at the same position, where generation starts.
@@ -102,9 +101,15 @@ def answer(model, tokenizer, prompts: list[Prompt], gen_config, stop_ids: list[i
     with torch.inference_mode():
         output = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                 generation_config=gen_config)
+    return output[:, width:].tolist()
+
+
+def answer(model, tokenizer, prompts: list[Prompt], gen_config, stop_ids: list[int],
+           pad_id: int) -> list[tuple[str, bool]]:
+    """(text, finished) per prompt, cut at the first stop token."""
     results, stops = [], set(stop_ids)
     specials = [t for t in tokenizer.all_special_tokens if t]
-    for row in output[:, width:].tolist():
+    for row in generate(model, prompts, gen_config, pad_id):
         stop = next((k for k, token in enumerate(row) if token in stops), None)
         text = tokenizer.decode(row[:stop], skip_special_tokens=True)
         for special in specials:  # re-tokenised, such a string would end the turn early in training
