@@ -26,7 +26,7 @@ endif
 .PHONY: install train train-node test bench clean
 
 install: .installed
-.installed: pyproject.toml
+.installed: setup.cfg pyproject.toml
 	@if ! $(PYTHON) -c "import torch" 2>/dev/null; then \
 	  if [ "$(GPUS)" = "0" ]; then $(PYTHON) -m pip install torch==2.13.0; \
 	  else $(PYTHON) -m pip install 'torch>=2.11'; fi; fi
