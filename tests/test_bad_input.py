@@ -12,7 +12,7 @@ from dflash_core.frozen_head import FrozenTargetHead
 from dflash_core.target import TargetError, load_target
 from launcher.config import ConfigError, compose_config
 from launcher.distributed.topology import Topology, parse_topology
-from launcher.resolve import resolve, target_dir
+from launcher.resolve import check_combinations, resolve, target_dir
 from launcher.roles.target import build_sources
 from launcher.run_io.rundir import prepare_run_dir
 
@@ -106,6 +106,25 @@ def test_fixed_length_shorter_than_a_sample(tmp_path, tiny_target_dir):
 def test_invalid_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=rf"^{key}="):
         compose_config([override])
+
+
+@pytest.mark.parametrize("overrides,binding", [
+    # the case: the bundled data's max_length is 256 too, so both bound the conversation
+    (["drafter.block_size=300", "data.fixed_length=256"], ["data.max_length", "data.fixed_length"]),
+    (["drafter.block_size=300", "data.fixed_length=256", "data.packing=false"], ["data.max_length",
+                                                                                  "data.fixed_length"]),
+    (["drafter.block_size=300", "data.max_length=1024", "data.fixed_length=256"], ["data.fixed_length"]),
+    (["drafter.block_size=300", "data.max_length=128", "data.fixed_length=256"], ["data.max_length"]),
+    (["drafter.block_size=300"], ["data.max_length"])])
+def test_a_block_longer_than_every_conversation_is_refused_at_start(overrides, binding):
+    with pytest.raises(ConfigError, match=r"^drafter.block_size=300: a block lies within one conversation") as no:
+        check_combinations(compose_config(overrides))
+    for key in ("data.max_length", "data.fixed_length"):
+        assert (f"{key}=" in str(no.value)) == (key in binding), str(no.value)
+
+
+def test_a_block_as_long_as_the_longest_conversation_is_allowed():
+    check_combinations(compose_config(["drafter.block_size=256", "data.fixed_length=256"]))
 
 
 def test_target_layer_ids_out_of_range(tmp_path, tiny_target_dir):
