@@ -108,6 +108,15 @@ def test_invalid_values_name_the_key(override, key):
         compose_config([override])
 
 
+@pytest.mark.parametrize("steps", [10**8, 10**12, 10**20])
+def test_train_steps_stop_where_checkpoint_names_do(steps):
+    # issue 31: 10**12 was accepted, its warm-up of 4*10**10 steps kept the lr near zero with no word; and
+    # step_XXXXXXXX holds 8 digits: a 9-digit step would be a checkpoint resume neither finds nor orders
+    with pytest.raises(ConfigError, match=rf"^train.steps={steps}: must be <= 99999999"):
+        compose_config([f"train.steps={steps}"])
+    assert compose_config(["train.steps=99999999"]).train.steps == 99999999
+
+
 @pytest.mark.parametrize("overrides,binding", [
     # the issue's case: the bundled data's max_length is 256 too, so both bound the conversation
     (["drafter.block_size=300", "data.fixed_length=256"], ["data.max_length", "data.fixed_length"]),

@@ -15,6 +15,8 @@ from omegaconf import MISSING
 AUTO_BOOL = ("auto", True, False)
 DEVICES = ("auto", "cpu", "cuda")
 BAD_LINE = ("fail", "skip")
+# Checkpoint dirs are named step_XXXXXXXX (run_io/checkpoint.py) and found and ordered by that name on resume.
+MAX_STEPS = 10**8 - 1
 # What a rank does before the stream starts, as it reports it to its peers (launcher/distributed/heartbeat.py).
 STARTUP_STAGES = ("starting", "preparing_target", "resolving", "tokenising", "loading_target", "building_drafter",
                   "restoring_checkpoint", "compiling", "streaming")
@@ -136,7 +138,8 @@ class RunSettings:
 
 @dataclass
 class TrainSettings:
-    steps: int = knob(200, "optimiser steps", ge=1)
+    steps: int = knob(200, "optimiser steps (at most 8 digits, as checkpoint names hold; the lr warm-up and decay "
+                           "are shares of them)", ge=1, le=MAX_STEPS)
     micro_batch_size: int = knob(4, "rows per micro-batch", ge=1)
     grad_accum: int = knob(1, "micro-batches per drafter rank per step", ge=1)
     eval_every: int = knob(50, "held-out evaluation interval in steps (0: only at the end)", ge=0)
