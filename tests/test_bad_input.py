@@ -10,9 +10,9 @@ from transformers import AutoTokenizer
 from dflash_core.data import DataError, load_samples
 from dflash_core.frozen_head import FrozenTargetHead
 from dflash_core.target import TargetError, load_target
-from launcher.config import ConfigError, compose_config
+from launcher.config import ConfigError, compose_config, config_hash
 from launcher.distributed.topology import Topology, parse_topology
-from launcher.resolve import check_combinations, resolve, target_dir
+from launcher.resolve import check_combinations, dataset_paths, resolve, target_dir
 from launcher.roles.target import build_sources
 from launcher.run_io.rundir import prepare_run_dir
 
@@ -134,6 +134,15 @@ def test_a_block_longer_than_every_conversation_is_refused_at_start(overrides, b
 
 def test_a_block_as_long_as_the_longest_conversation_is_allowed():
     check_combinations(compose_config(["drafter.block_size=256", "data.fixed_length=256"]))
+
+
+def test_a_string_data_path_is_one_path(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("")
+    cfg = compose_config([f"data.paths={data}"])
+    assert list(cfg.data.paths) == [str(data)] and dataset_paths(cfg.data.paths, "data.paths") == [data]
+    # the same config as the list form, so a resume with either spelling is the same run
+    assert config_hash(cfg) == config_hash(compose_config([f"data.paths=[{data}]"]))
 
 
 def test_target_layer_ids_out_of_range(tmp_path, tiny_target_dir):

@@ -39,8 +39,18 @@ def compose_config(overrides: list[str], config_name: str = "config") -> DictCon
         cfg = compose(config_name=config_name, overrides=overrides)
     OmegaConf.resolve(cfg)
     OmegaConf.set_struct(cfg, True)
+    _one_path_as_list(cfg)
     check(cfg, schema.ROOTS[config_name])
     return cfg
+
+
+def _one_path_as_list(cfg: DictConfig) -> None:
+    """Keys typed "a path or a list of paths" hold a list from here on, so every reader (and the
+    checkpoint's record of the data) sees one form."""
+    for key in schema.PATH_LISTS:
+        value = OmegaConf.select(cfg, key)
+        if isinstance(value, str):
+            OmegaConf.update(cfg, key, [value], merge=False)
 
 
 def config_yaml(cfg: DictConfig) -> str:

@@ -86,8 +86,8 @@ class DrafterSettings:
 
 @dataclass
 class DataSettings:
-    paths: list = knob(["bundled:tiny_chat"], "local .jsonl/.json/.parquet files or datasets dirs; "
-                                              "bundled:tiny_chat is the embedded set")
+    paths: Any = knob(["bundled:tiny_chat"], "local .jsonl/.json/.parquet files or datasets dirs (a string is "
+                                             "one path); bundled:tiny_chat is the embedded set")
     tokenizer: Optional[str] = knob(None, "tokenizer directory; null: the target's")
     max_length: int = knob(2048, "longer conversations are truncated to this many tokens", ge=4)
     fixed_length: Optional[int] = knob(None, "every row has this length (one static shape, compiled once); "
@@ -258,5 +258,7 @@ class ExportJob:
     export: ExportSettings = field(default_factory=ExportSettings)
 
 
+# "A path or a list of paths": a string is read as a list of one (launcher/config compose_config).
+PATH_LISTS = ("data.paths", "evaluate.data")
 GROUPS = {"target": TargetSettings, "drafter": DrafterSettings, "data": DataSettings, "optim": OptimSettings}
 ROOTS = {"config": TrainJob, "evaluate": EvaluateJob, "regenerate": RegenerateJob, "export": ExportJob}
