@@ -145,6 +145,21 @@ def test_a_string_data_path_is_one_path(tmp_path):
     assert config_hash(cfg) == config_hash(compose_config([f"data.paths=[{data}]"]))
 
 
+@pytest.mark.parametrize("argv,meant", [
+    (["run.dir=/tmp/ü", "ñ", "x"], "/tmp/ü ñ x"),   # the issue's case: unquoted, the shell split it too
+    (["run.dir=/tmp/ü"], "/tmp/ü"),
+    (["train.steps=5", "run.dir=/tmp/a", "b", "c"], "/tmp/a b c")])
+def test_an_unreadable_override_gets_one_line_saying_how_to_quote_it(argv, meant):
+    with pytest.raises(ConfigError, match=r"^hydra cannot read the override 'run.dir=/tmp/|^hydra cannot read the "
+                                          r"override 'b': it is not key=value") as refused:
+        compose_config(argv)
+    message = str(refused.value)
+    assert "\n" not in message
+    suggested = message.rsplit(": ", 1)[1]
+    assert suggested[0] == suggested[-1] == '"'   # the shell's quotes, hydra's inside
+    assert compose_config([suggested[1:-1]]).run.dir == meant
+
+
 def test_target_layer_ids_out_of_range(tmp_path, tiny_target_dir):
     with pytest.raises(ValueError, match=r"7.*\[0, 4\)|out of range.*7"):
         _job(tiny_target_dir, tmp_path, "drafter.target_layer_ids=[0,7]")

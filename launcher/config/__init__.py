@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
+from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from launcher.config import schema
@@ -36,12 +38,43 @@ def compose_config(overrides: list[str], config_name: str = "config") -> DictCon
     """The resolved, struct-mode config of `conf/<config_name>.yaml` with `overrides`, checked
     against its schema's ranges and choices (ConfigError naming the key otherwise)."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="dflash"):
-        cfg = compose(config_name=config_name, overrides=overrides)
+        try:
+            cfg = compose(config_name=config_name, overrides=overrides)
+        except OverrideParseException as exc:
+            raise ConfigError(unreadable_override(overrides, exc.override, exc.message)) from None
     OmegaConf.resolve(cfg)
     OmegaConf.set_struct(cfg, True)
     _one_path_as_list(cfg)
     check(cfg, schema.ROOTS[config_name])
     return cfg
+
+
+def unreadable_override(overrides: list[str], failed: str, hydra_message: str) -> str:
+    """One line for an override hydra's grammar cannot read: which one, why, and the same value
+    quoted for hydra. A value the shell split at its spaces (`run.dir=/tmp/a b` unquoted) arrives as
+    `key=value` and then bare words; they are joined back into the value shown."""
+    words = [failed]
+    if failed in overrides:
+        at = overrides.index(failed)
+        start = next((i for i in range(at, -1, -1) if "=" in overrides[i]), at)
+        end = next((i for i in range(start + 1, len(overrides)) if "=" in overrides[i]), len(overrides))
+        words = overrides[start:end]
+    if "=" not in words[0]:
+        return f"hydra cannot read the override {failed!r}: it is not key=value (--help lists the keys)"
+    lexer = re.match(r"LexerNoViableAltException: .*\n( *)\^", hydra_message)
+    if lexer and 0 <= (column := len(lexer.group(1)) - len("LexerNoViableAltException: ")) < len(failed):
+        why = f"{failed[column]!r} (character {column + 1}) is not allowed in an unquoted value"
+    elif "=" not in failed:
+        why = "it is not key=value"
+    else:
+        why = hydra_message.splitlines()[0]
+    if len(words) > 1:
+        why += f"; the words after {words[0]!r} look like the rest of its value, split at its spaces by the shell"
+    key, _, value = " ".join(words).partition("=")
+    inner = "'" if "'" not in value else '"'
+    outer = '"' if inner == "'" else "'"
+    return (f"hydra cannot read the override {failed!r}: {why}; quote the value for hydra inside the shell's "
+            f"quotes: {outer}{key}={inner}{value}{inner}{outer}")
 
 
 def _one_path_as_list(cfg: DictConfig) -> None:
