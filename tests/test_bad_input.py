@@ -108,6 +108,15 @@ def test_invalid_values_name_the_key(override, key):
         compose_config([override])
 
 
+def test_an_empty_path_is_refused_not_replaced_by_the_default():
+    # issue 31: `run.dir=` (an unset shell variable) trained silently into runs/<timestamp>
+    with pytest.raises(ConfigError, match=r"^run.dir='': must not be empty .*leave the key out"):
+        compose_config(["run.dir="])
+    with pytest.raises(ConfigError, match=r"^regenerate.output=' ': must not be empty"):
+        compose_config(["regenerate.output=' '"], "regenerate")
+    assert compose_config(["run.dir=null"]).run.dir is None   # the default, asked for explicitly
+
+
 @pytest.mark.parametrize("steps", [10**8, 10**12, 10**20])
 def test_train_steps_stop_where_checkpoint_names_do(steps):
     # issue 31: 10**12 was accepted, its warm-up of 4*10**10 steps kept the lr near zero with no word; and

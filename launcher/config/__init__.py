@@ -101,11 +101,13 @@ def require(cfg: DictConfig, ok: bool, key: str, why: str) -> None:
 
 
 def _violation(value, rules: dict) -> str | None:
-    """Why `value` breaks `rules` (knob's ge/gt/le/lt/choices), or None. None values pass:
+    """Why `value` breaks `rules` (knob's ge/gt/le/lt/choices/nonempty), or None. None values pass:
     a field that may be null says so in its type. With both choices and bounds (`auto` or a
     number), a value passes as one of the choices or as a number within the bounds."""
     if value is None:
         return None
+    if rules.get("nonempty") and isinstance(value, str) and not value.strip():
+        return "must not be empty (from a shell variable that was not set?): give a value, or leave the key out"
     choices = ", ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in rules.get("choices", ()))
     bounds = [("ge", lambda a, b: a >= b, ">="), ("gt", lambda a, b: a > b, ">"),
               ("le", lambda a, b: a <= b, "<="), ("lt", lambda a, b: a < b, "<")]
