@@ -43,7 +43,8 @@ def help_text(config_name: str, usage: str) -> str:
     lines = [root.__doc__.strip(), "", usage.strip(), "", "Config groups (pick one: group=option):", *groups, "",
              "Keys (override with key=value; defaults from launcher/config/schema.py before the group option):"]
     for key, kind, default, doc, rules in _keys(root):
-        allowed = f" [{', '.join(f'{k} {v}' for k, v in rules.items())}]" if rules else ""
+        shown = ("non-empty" if name == "nonempty" else f"{name} {value}" for name, value in rules.items())
+        allowed = f" [{', '.join(shown)}]" if rules else ""
         lines.append(f"  {key}={default!r}  ({kind.replace('Optional[', '').rstrip(']')}){allowed}\n      {doc}")
     lines += ["", "Flags: --help | --cfg job (the composed config, then exit) | --cfg all (with hydra's own section) "
                   "| --info (where the config comes from)"]

@@ -28,6 +28,8 @@ log = logging.getLogger("dflash")
 # Drafter shape keys that default to the target's (null in the schema).
 _SHAPE_OVERRIDES = ("hidden_size", "intermediate_size", "layer_types", "sliding_window")
 _BUNDLED = {"bundled:tiny_chat": BUNDLED_DATASET}
+_LENGTH_LIMITS = {"data.max_length": "truncates longer ones",
+                  "data.fixed_length": "is the row length, which a conversation must fit"}
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
            "fp16": torch.float16, "float16": torch.float16}
 
@@ -213,6 +215,19 @@ def check_combinations(cfg: DictConfig) -> None:
                           f"(set target.parallel=tensor to shard the target)")
     if cfg.run.warm_up is True and cfg.data.fixed_length is None:
         raise ConfigError("run.warm_up=True: needs data.fixed_length (the one shape to compile for)")
+    longest, limits = longest_conversation(cfg)
+    if cfg.drafter.block_size > longest:
+        said = "; ".join(f"{key}={longest} {_LENGTH_LIMITS[key]}" for key in limits)
+        raise ConfigError(f"drafter.block_size={cfg.drafter.block_size}: a block lies within one conversation (in "
+                          f"a packed row, within its document), and no conversation is longer than {longest} tokens "
+                          f"({said}); lower drafter.block_size or raise {' and '.join(limits)}")
+
+
+def longest_conversation(cfg: DictConfig) -> tuple[int, list[str]]:
+    """The most tokens of one conversation a row holds, and the keys that set that bound."""
+    lengths = {"data.max_length": cfg.data.max_length, "data.fixed_length": cfg.data.fixed_length}
+    longest = min(length for length in lengths.values() if length is not None)
+    return longest, [key for key, length in lengths.items() if length == longest]
 
 
 def resolve(cfg: DictConfig, topology: Topology, device: torch.device) -> Job:

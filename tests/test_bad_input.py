@@ -10,9 +10,9 @@ from transformers import AutoTokenizer
 from dflash_core.data import DataError, load_samples
 from dflash_core.frozen_head import FrozenTargetHead
 from dflash_core.target import TargetError, load_target
-from launcher.config import ConfigError, compose_config
+from launcher.config import ConfigError, compose_config, config_hash
 from launcher.distributed.topology import Topology, parse_topology
-from launcher.resolve import resolve, target_dir
+from launcher.resolve import check_combinations, dataset_paths, resolve, target_dir
 from launcher.roles.target import build_sources
 from launcher.run_io.rundir import prepare_run_dir
 
@@ -106,6 +106,67 @@ def test_fixed_length_shorter_than_a_sample(tmp_path, tiny_target_dir):
 def test_invalid_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=rf"^{key}="):
         compose_config([override])
+
+
+def test_an_empty_path_is_refused_not_replaced_by_the_default():
+    # issue 31: `run.dir=` (an unset shell variable) trained silently into runs/<timestamp>
+    with pytest.raises(ConfigError, match=r"^run.dir='': must not be empty .*leave the key out"):
+        compose_config(["run.dir="])
+    with pytest.raises(ConfigError, match=r"^regenerate.output=' ': must not be empty"):
+        compose_config(["regenerate.output=' '"], "regenerate")
+    assert compose_config(["run.dir=null"]).run.dir is None   # the default, asked for explicitly
+
+
+@pytest.mark.parametrize("steps", [10**8, 10**12, 10**20])
+def test_train_steps_stop_where_checkpoint_names_do(steps):
+    # issue 31: 10**12 was accepted, its warm-up of 4*10**10 steps kept the lr near zero with no word; and
+    # step_XXXXXXXX holds 8 digits: a 9-digit step would be a checkpoint resume neither finds nor orders
+    with pytest.raises(ConfigError, match=rf"^train.steps={steps}: must be <= 99999999"):
+        compose_config([f"train.steps={steps}"])
+    assert compose_config(["train.steps=99999999"]).train.steps == 99999999
+
+
+@pytest.mark.parametrize("overrides,binding", [
+    # the issue's case: the bundled data's max_length is 256 too, so both bound the conversation
+    (["drafter.block_size=300", "data.fixed_length=256"], ["data.max_length", "data.fixed_length"]),
+    (["drafter.block_size=300", "data.fixed_length=256", "data.packing=false"], ["data.max_length",
+                                                                                  "data.fixed_length"]),
+    (["drafter.block_size=300", "data.max_length=1024", "data.fixed_length=256"], ["data.fixed_length"]),
+    (["drafter.block_size=300", "data.max_length=128", "data.fixed_length=256"], ["data.max_length"]),
+    (["drafter.block_size=300"], ["data.max_length"])])
+def test_a_block_longer_than_every_conversation_is_refused_at_start(overrides, binding):
+    with pytest.raises(ConfigError, match=r"^drafter.block_size=300: a block lies within one conversation") as no:
+        check_combinations(compose_config(overrides))
+    for key in ("data.max_length", "data.fixed_length"):
+        assert (f"{key}=" in str(no.value)) == (key in binding), str(no.value)
+
+
+def test_a_block_as_long_as_the_longest_conversation_is_allowed():
+    check_combinations(compose_config(["drafter.block_size=256", "data.fixed_length=256"]))
+
+
+def test_a_string_data_path_is_one_path(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("")
+    cfg = compose_config([f"data.paths={data}"])
+    assert list(cfg.data.paths) == [str(data)] and dataset_paths(cfg.data.paths, "data.paths") == [data]
+    # the same config as the list form, so a resume with either spelling is the same run
+    assert config_hash(cfg) == config_hash(compose_config([f"data.paths=[{data}]"]))
+
+
+@pytest.mark.parametrize("argv,meant", [
+    (["run.dir=/tmp/ü", "ñ", "x"], "/tmp/ü ñ x"),   # the issue's case: unquoted, the shell split it too
+    (["run.dir=/tmp/ü"], "/tmp/ü"),
+    (["train.steps=5", "run.dir=/tmp/a", "b", "c"], "/tmp/a b c")])
+def test_an_unreadable_override_gets_one_line_saying_how_to_quote_it(argv, meant):
+    with pytest.raises(ConfigError, match=r"^hydra cannot read the override 'run.dir=/tmp/|^hydra cannot read the "
+                                          r"override 'b': it is not key=value") as refused:
+        compose_config(argv)
+    message = str(refused.value)
+    assert "\n" not in message
+    suggested = message.rsplit(": ", 1)[1]
+    assert suggested[0] == suggested[-1] == '"'   # the shell's quotes, hydra's inside
+    assert compose_config([suggested[1:-1]]).run.dir == meant
 
 
 def test_target_layer_ids_out_of_range(tmp_path, tiny_target_dir):

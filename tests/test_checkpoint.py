@@ -1,10 +1,27 @@
 import errno
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from launcher.run_io import checkpoint
+from tests.launching import REPO
+
+# A writer that stops for good in the middle of writing state.pt (as a large save on a slow disk does).
+_WRITER_STUCK_MID_WRITE = """
+import sys, time, torch
+from launcher.run_io import checkpoint
+def half_written(state, f):
+    f.write(b"PK\\x03\\x04 the first bytes")
+    f.flush()
+    print("writing", flush=True)
+    time.sleep(600)
+torch.save = half_written
+checkpoint.save(sys.argv[1], 20, {"step": 20}, keep=2)
+"""
 
 
 def _state(step):
@@ -98,3 +115,34 @@ def test_disk_full_leaves_no_temporary_dir_and_keeps_the_previous_checkpoint(tmp
     assert "latest still names step_00000010" in message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "lineage.json", "step_00000010"]
     assert checkpoint.load_latest(tmp_path)[1] == 10
+
+
+def test_a_writer_killed_mid_write_leaves_nothing_after_the_next_save(tmp_path, caplog):
+    checkpoint.save(tmp_path, 10, _state(10), keep=5)
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER_STUCK_MID_WRITE, str(tmp_path)], cwd=REPO,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "writing"
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        writer.wait(timeout=60)
+    left = tmp_path / f".tmp_step_00000020_{writer.pid}"
+    assert (left / "state.pt").is_file()   # what the dead writer left: the previous checkpoint still loads
+    assert checkpoint.load_latest(tmp_path)[1] == 10
+    with caplog.at_level("WARNING", logger="dflash"):
+        checkpoint.save(tmp_path, 30, _state(30), keep=5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "lineage.json", "step_00000010", "step_00000030"]
+    assert f"removing {left}: a checkpoint writer (pid {writer.pid}) died while writing it" in caplog.text
+
+
+def test_a_dead_writers_pointer_and_lineage_temporaries_go_too(tmp_path):
+    checkpoint.save(tmp_path, 10, _state(10), keep=5)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    for name in (f".latest_{dead.pid}", f".lineage.json_{dead.pid}"):
+        (tmp_path / name).write_text("step_000")
+    unrelated = tmp_path / "notes.txt"   # not a writer's temporary: never touched
+    unrelated.write_text("mine")
+    checkpoint.save(tmp_path, 20, _state(20), keep=5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "lineage.json", "notes.txt", "step_00000010",
+                                                          "step_00000020"]

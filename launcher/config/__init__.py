@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
+from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from launcher.config import schema
@@ -36,11 +38,52 @@ def compose_config(overrides: list[str], config_name: str = "config") -> DictCon
     """The resolved, struct-mode config of `conf/<config_name>.yaml` with `overrides`, checked
     against its schema's ranges and choices (ConfigError naming the key otherwise)."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="dflash"):
-        cfg = compose(config_name=config_name, overrides=overrides)
+        try:
+            cfg = compose(config_name=config_name, overrides=overrides)
+        except OverrideParseException as exc:
+            raise ConfigError(unreadable_override(overrides, exc.override, exc.message)) from None
     OmegaConf.resolve(cfg)
     OmegaConf.set_struct(cfg, True)
+    _one_path_as_list(cfg)
     check(cfg, schema.ROOTS[config_name])
     return cfg
+
+
+def unreadable_override(overrides: list[str], failed: str, hydra_message: str) -> str:
+    """One line for an override hydra's grammar cannot read: which one, why, and the same value
+    quoted for hydra. A value the shell split at its spaces (`run.dir=/tmp/a b` unquoted) arrives as
+    `key=value` and then bare words; they are joined back into the value shown."""
+    words = [failed]
+    if failed in overrides:
+        at = overrides.index(failed)
+        start = next((i for i in range(at, -1, -1) if "=" in overrides[i]), at)
+        end = next((i for i in range(start + 1, len(overrides)) if "=" in overrides[i]), len(overrides))
+        words = overrides[start:end]
+    if "=" not in words[0]:
+        return f"hydra cannot read the override {failed!r}: it is not key=value (--help lists the keys)"
+    lexer = re.match(r"LexerNoViableAltException: .*\n( *)\^", hydra_message)
+    if lexer and 0 <= (column := len(lexer.group(1)) - len("LexerNoViableAltException: ")) < len(failed):
+        why = f"{failed[column]!r} (character {column + 1}) is not allowed in an unquoted value"
+    elif "=" not in failed:
+        why = "it is not key=value"
+    else:
+        why = hydra_message.splitlines()[0]
+    if len(words) > 1:
+        why += f"; the words after {words[0]!r} look like the rest of its value, split at its spaces by the shell"
+    key, _, value = " ".join(words).partition("=")
+    inner = "'" if "'" not in value else '"'
+    outer = '"' if inner == "'" else "'"
+    return (f"hydra cannot read the override {failed!r}: {why}; quote the value for hydra inside the shell's "
+            f"quotes: {outer}{key}={inner}{value}{inner}{outer}")
+
+
+def _one_path_as_list(cfg: DictConfig) -> None:
+    """Keys typed "a path or a list of paths" hold a list from here on, so every reader (and the
+    checkpoint's record of the data) sees one form."""
+    for key in schema.PATH_LISTS:
+        value = OmegaConf.select(cfg, key)
+        if isinstance(value, str):
+            OmegaConf.update(cfg, key, [value], merge=False)
 
 
 def config_yaml(cfg: DictConfig) -> str:
@@ -58,11 +101,13 @@ def require(cfg: DictConfig, ok: bool, key: str, why: str) -> None:
 
 
 def _violation(value, rules: dict) -> str | None:
-    """Why `value` breaks `rules` (knob's ge/gt/le/lt/choices), or None. None values pass:
+    """Why `value` breaks `rules` (knob's ge/gt/le/lt/choices/nonempty), or None. None values pass:
     a field that may be null says so in its type. With both choices and bounds (`auto` or a
     number), a value passes as one of the choices or as a number within the bounds."""
     if value is None:
         return None
+    if rules.get("nonempty") and isinstance(value, str) and not value.strip():
+        return "must not be empty (from a shell variable that was not set?): give a value, or leave the key out"
     choices = ", ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in rules.get("choices", ()))
     bounds = [("ge", lambda a, b: a >= b, ">="), ("gt", lambda a, b: a > b, ">"),
               ("le", lambda a, b: a <= b, "<="), ("lt", lambda a, b: a < b, "<")]

@@ -15,23 +15,27 @@ from omegaconf import MISSING
 AUTO_BOOL = ("auto", True, False)
 DEVICES = ("auto", "cpu", "cuda")
 BAD_LINE = ("fail", "skip")
+# Checkpoint dirs are named step_XXXXXXXX (run_io/checkpoint.py) and found and ordered by that name on resume.
+MAX_STEPS = 10**8 - 1
 # What a rank does before the stream starts, as it reports it to its peers (launcher/distributed/heartbeat.py).
 STARTUP_STAGES = ("starting", "preparing_target", "resolving", "tokenising", "loading_target", "building_drafter",
                   "restoring_checkpoint", "compiling", "streaming")
 
 
-def knob(default, doc: str, *, ge=None, gt=None, le=None, lt=None, choices=None, each=None):
+def knob(default, doc: str, *, ge=None, gt=None, le=None, lt=None, choices=None, each=None, nonempty=None):
     """A config field: default, one line of meaning, and what `check()` enforces. `each` applies
-    the bounds to every element of a list value instead of the value itself."""
-    rules = {k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt, choices=choices, each=each).items() if v is not None}
+    the bounds to every element of a list value instead of the value itself; `nonempty` refuses an
+    empty string (a path typed as `key=`, or from an unset shell variable, is never meant)."""
+    rules = {k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt, choices=choices, each=each,
+                                   nonempty=nonempty).items() if v is not None}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata={"doc": doc, **rules})
     return field(default=default, metadata={"doc": doc, **rules})
 
 
 def required(doc: str):
-    """A field the user must set (omegaconf's `???`)."""
-    return field(default=MISSING, metadata={"doc": doc})
+    """A field the user must set (omegaconf's `???`), to a non-empty value (they are all paths)."""
+    return field(default=MISSING, metadata={"doc": doc, "nonempty": True})
 
 
 # ----------------------------------------------------------------------------------- groups
@@ -84,8 +88,8 @@ class DrafterSettings:
 
 @dataclass
 class DataSettings:
-    paths: list = knob(["bundled:tiny_chat"], "local .jsonl/.json/.parquet files or datasets dirs; "
-                                              "bundled:tiny_chat is the embedded set")
+    paths: Any = knob(["bundled:tiny_chat"], "local .jsonl/.json/.parquet files or datasets dirs (a string is "
+                                             "one path); bundled:tiny_chat is the embedded set")
     tokenizer: Optional[str] = knob(None, "tokenizer directory; null: the target's")
     max_length: int = knob(2048, "longer conversations are truncated to this many tokens", ge=4)
     fixed_length: Optional[int] = knob(None, "every row has this length (one static shape, compiled once); "
@@ -98,7 +102,8 @@ class DataSettings:
     on_bad_line: str = knob("fail", "a malformed record: fail (naming file and line) | skip (counted)",
                             choices=BAD_LINE)
     eval_fraction: float = knob(0.05, "held-out share of the samples", ge=0, lt=1)
-    cache_dir: str = knob(".cache/tokenized", "tokenised-data cache (keyed by file bytes, tokenizer, settings)")
+    cache_dir: str = knob(".cache/tokenized", "tokenised-data cache (keyed by file bytes, tokenizer, settings)",
+                          nonempty=True)
 
 
 @dataclass
@@ -118,7 +123,7 @@ class OptimSettings:
 # ----------------------------------------------------------------------------------- sections
 @dataclass
 class RunSettings:
-    dir: Optional[str] = knob(None, "run directory; null: rank 0 picks runs/<timestamp> once")
+    dir: Optional[str] = knob(None, "run directory; null: rank 0 picks runs/<timestamp> once", nonempty=True)
     seed: int = knob(0, "seed of the data order, anchors and initialisation", ge=0)
     device: str = knob("auto", "auto (cuda when every rank has its own GPU) | cpu | cuda", choices=DEVICES)
     timeout_s: float = knob(300.0, "process-group timeout: no collective or receive waits longer", gt=0)
@@ -126,7 +131,7 @@ class RunSettings:
     warm_up: Any = knob("auto", "compile the drafter before the stream starts: auto (with data.fixed_length)",
                         choices=AUTO_BOOL)
     log_every: int = knob(10, "metrics interval in optimiser steps", ge=1)
-    resume: str = knob("auto", "auto: latest checkpoint of this run | never | <checkpoint dir>")
+    resume: str = knob("auto", "auto: latest checkpoint of this run | never | <checkpoint dir>", nonempty=True)
     checkpoint_every: int = knob(0, "checkpoint interval in steps (0: only the final checkpoint)", ge=0)
     keep_checkpoints: int = knob(2, "complete checkpoints kept (older ones are pruned)", ge=1)
     export: bool = knob(True, "write the Hugging Face drafter directory at the end")
@@ -136,7 +141,8 @@ class RunSettings:
 
 @dataclass
 class TrainSettings:
-    steps: int = knob(200, "optimiser steps", ge=1)
+    steps: int = knob(200, "optimiser steps (at most 8 digits, as checkpoint names hold; the lr warm-up and decay "
+                           "are shares of them)", ge=1, le=MAX_STEPS)
     micro_batch_size: int = knob(4, "rows per micro-batch", ge=1)
     grad_accum: int = knob(1, "micro-batches per drafter rank per step", ge=1)
     eval_every: int = knob(50, "held-out evaluation interval in steps (0: only at the end)", ge=0)
@@ -150,7 +156,8 @@ class ChannelSettings:
 
 @dataclass
 class IsolationSettings:
-    cache_root: Optional[str] = knob(None, "per-rank compile caches under <cache_root or run.dir/compile_cache>")
+    cache_root: Optional[str] = knob(None, "per-rank compile caches under <cache_root or run.dir/compile_cache>",
+                                     nonempty=True)
     recompile_limit: int = knob(8, "dynamo recompiles allowed per function", ge=1)
     compile_threads: Any = knob("auto", "inductor compile workers per rank: auto (cores / local ranks) or a number",
                                 choices=("auto",), ge=1)
@@ -177,20 +184,21 @@ class FaultSettings:
 
 @dataclass
 class EvaluateSettings:
-    drafter: Optional[str] = knob(None, "an exported drafter dir (runs/<name>/export) or a checkpoint dir")
+    drafter: Optional[str] = knob(None, "an exported drafter dir (runs/<name>/export) or a checkpoint dir",
+                                  nonempty=True)
     data: Any = knob("bundled:tiny_chat", "chats to take prompts from (a path or a list of paths)")
     num_prompts: int = knob(16, "the first N conversations; prompt = turns before the last assistant turn", ge=1)
     max_new_tokens: int = knob(64, "tokens generated per prompt", ge=1)
     device: str = knob("auto", "auto (cuda when available) | cpu | cuda", choices=DEVICES)
     check_lossless: bool = knob(True, "also decode greedily with the target alone and compare token for token")
     chat_template_kwargs: dict = knob({}, "passed to the chat template, e.g. {enable_thinking: false} (as in training)")
-    output: Optional[str] = knob(None, "JSON result path; null: <drafter dir>.speculative.json")
+    output: Optional[str] = knob(None, "JSON result path; null: <drafter dir>.speculative.json", nonempty=True)
     seed: int = knob(0, "seed of the tiny target build when it is missing (match the run's run.seed)", ge=0)
 
 
 @dataclass
 class RegenerateSettings:
-    input: str = knob("bundled:tiny_chat", "chats whose prompts are answered (ShareGPT accepted)")
+    input: str = knob("bundled:tiny_chat", "chats whose prompts are answered (ShareGPT accepted)", nonempty=True)
     output: str = required("the regenerated .jsonl (written atomically by rank 0)")
     overwrite: bool = knob(False, "replace an existing output file")
     tokenizer: Optional[str] = knob(None, "null: the target's tokenizer")
@@ -214,7 +222,7 @@ class RegenerateSettings:
 @dataclass
 class ExportSettings:
     checkpoint: str = required("a run's checkpoints/step_XXXXXXXX directory")
-    out: Optional[str] = knob(None, "output directory; null: <run dir>/export_step_XXXXXXXX")
+    out: Optional[str] = knob(None, "output directory; null: <run dir>/export_step_XXXXXXXX", nonempty=True)
     overwrite: bool = knob(False, "replace `out` if it holds a previous export (nothing else is ever replaced)")
 
 
@@ -255,5 +263,7 @@ class ExportJob:
     export: ExportSettings = field(default_factory=ExportSettings)
 
 
+# "A path or a list of paths": a string is read as a list of one (launcher/config compose_config).
+PATH_LISTS = ("data.paths", "evaluate.data")
 GROUPS = {"target": TargetSettings, "drafter": DrafterSettings, "data": DataSettings, "optim": OptimSettings}
 ROOTS = {"config": TrainJob, "evaluate": EvaluateJob, "regenerate": RegenerateJob, "export": ExportJob}

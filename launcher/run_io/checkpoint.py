@@ -2,7 +2,8 @@
 `latest` pointer.
 
 A reader only ever trusts a directory that holds `meta.json` (written last, inside the temporary
-dir), so a crash mid-write leaves the previous checkpoint as the latest complete one. A *lineage*
+dir), so a crash mid-write leaves the previous checkpoint as the latest complete one; the next save
+removes what the dead writer left (the job's lock makes this process the only writer). A *lineage*
 is one training history in a checkpoints dir (a fresh start and every resume after it): its id is in
 `lineage.json` and in each checkpoint's `meta.json`. `latest` names what this lineage's last
 complete save wrote; pruning removes only this lineage's older checkpoints, never the one just
@@ -26,6 +27,9 @@ import torch
 
 log = logging.getLogger("dflash")
 _NAME = re.compile(r"^step_(\d{8})$")
+# What a writer names its files before the rename that publishes them: .tmp_step_XXXXXXXX_<pid> (a checkpoint),
+# .latest_<pid> and .lineage.json_<pid> (the pointer and the lineage record).
+_TEMPORARY = re.compile(r"^\.(?:tmp_step_\d{8}|latest|lineage\.json)_(\d+)$")
 LINEAGE_FILE = "lineage.json"
 POINTER = "latest"
 
@@ -164,6 +168,7 @@ def save(root: Path, step: int, state: dict, keep: int, record: dict | None = No
     final = root / f"step_{step:08d}"
     _check_ours(final, lineage)
     tmp = root / f".tmp_step_{step:08d}_{os.getpid()}"
+    _remove_stale_temporaries(root)
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
@@ -185,6 +190,21 @@ def save(root: Path, step: int, state: dict, keep: int, record: dict | None = No
                                    f"{shutil.disk_usage(root).free / 2**30:.1f} GiB)") from exc
     _prune(root, lineage, keep, final)
     return final
+
+
+def _remove_stale_temporaries(root: Path) -> None:
+    """Remove what a writer killed mid-write (SIGKILL, the OOM killer) left behind. The job holds
+    run.dir/job.lock, so no other live job writes here, and within the job this process is the only
+    writer: a temporary of another pid is a dead writer's."""
+    for entry in root.iterdir():
+        match = _TEMPORARY.match(entry.name)
+        if match is None or int(match.group(1)) == os.getpid():
+            continue
+        log.warning("removing %s: a checkpoint writer (pid %s) died while writing it", entry, match.group(1))
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
 
 
 def _prune(root: Path, lineage: str, keep: int, written: Path) -> None:
