@@ -17,14 +17,12 @@ Examples:
 
 
 def run(overrides: list[str]) -> int:
-    from launcher.cli import die_with_parent
     from launcher.config import compose_config
     from launcher.distributed.startup import ProcessEnv
     from launcher.distributed.topology import parse_topology
     from launcher.resolve import check_combinations
     from launcher.run_io.rundir import setup_logging
 
-    die_with_parent()
     setup_logging(f"rank{os.environ.get('RANK', 0)}", logging.WARNING)
     cfg = compose_config(overrides)
     env = ProcessEnv.from_environ()
