@@ -49,6 +49,9 @@ def run(overrides: list[str]) -> int:
         from launcher.run_io.summary import write_summary
         write_summary(ctx, gathered, sink)
         sink.close()
+    # Said while every rank still waits here (and under TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 rank 0 still
+    # hosts the store): this rank's silence from now on is its end, not a stall.
+    ctx.progress.finish()
     dist.barrier(group=ctx.groups.control)
     dist.destroy_process_group()
     return 0
