@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,3 +190,32 @@ def test_a_drafter_stopped_mid_training_is_named_not_the_ranks_waiting_for_it(tm
     finally:
         os.kill(worker_pids(run_dir)["drafter2"], signal.SIGCONT)
     assert job.wait(timeout=60) != 0
+
+
+def test_regenerate_workers_die_with_a_killed_torchrun(tmp_path, tiny_target_dir):
+    """issue 31: only launcher.train's workers asked the kernel to kill them with torchrun; after a
+    SIGKILL of torchrun, launcher.regenerate's went on answering. Stopped (SIGSTOP) before the kill,
+    they cannot end on their own: only the kernel's SIGKILL on their parent's death ends them."""
+    output = tmp_path / "out.jsonl"
+    job = start_torchrun(2, f"target.path={tiny_target_dir}", f"regenerate.output={output}",
+                         "regenerate.max_new_tokens=2048", "regenerate.device=cpu", module="launcher.regenerate",
+                         log_path=tmp_path / "job.log")
+    parts = output.with_name(output.name + ".parts")
+    workers = []
+    try:
+        # Both part files open: both workers are answering.
+        wait_for(lambda: len(list(parts.glob("rank*.jsonl"))) == 2 or job.poll() is not None, 240, "the part files")
+        workers = [int(pid) for path in Path(f"/proc/{job.pid}/task").glob("*/children")
+                   for pid in path.read_text().split()]
+        assert len(workers) == 2, (tmp_path / "job.log").read_text()[-3000:]
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        os.kill(job.pid, signal.SIGKILL)
+        job.wait()
+        wait_for(lambda: all(_gone(pid) for pid in workers), 10, f"the workers {workers} to exit")
+    finally:
+        for pid in workers:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
