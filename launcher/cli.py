@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -82,17 +83,31 @@ def parse_flags(argv: list[str], config_name: str, usage: str) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------- failures
-def die_with_parent() -> None:
-    """Linux: this worker gets SIGKILL when its parent (the torchrun agent) dies, so a killed
-    torchrun leaves no orphan writing checkpoints."""
+@functools.cache
+def _libc():
     try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        parent = os.getppid()
-        libc.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-        if os.getppid() != parent:      # the parent died before prctl took effect
-            os._exit(1)
+        return ctypes.CDLL("libc.so.6", use_errno=True)
     except OSError:
-        pass  # not Linux: torchrun's own teardown is all there is
+        return None   # not Linux: torchrun's own teardown is all there is
+
+
+def die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent (the torchrun agent) dies, so a killed torchrun
+    leaves no orphan writing checkpoints or answering prompts."""
+    libc = _libc()
+    if libc is None:
+        return
+    parent = os.getppid()
+    libc.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    if os.getppid() != parent:      # the parent died before prctl took effect
+        os._exit(1)
+
+
+def die_with_parent_preexec():
+    """A Popen preexec_fn making the child die with this process. libc is loaded here, in the parent,
+    so the forked child only calls into it."""
+    _libc()
+    return die_with_parent
 
 
 def _let_peers_report(timeout_s: float = PEER_REPORT_TIMEOUT_S) -> None:
@@ -146,12 +161,34 @@ def launch_under_torchrun(module: str, argv: list[str]) -> None:
     os.execv(sys.executable, command)
 
 
+def report_failure(exc: BaseException) -> None:
+    """This rank's failure, logged once with its role and rank (a traceback only where the cause is not
+    a plain bad value or file), and recorded for torchrun's failure summary."""
+    from hydra.errors import HydraException
+    expected = isinstance(exc, (ValueError, OSError, HydraException))
+    message = str(exc).splitlines()[0] if isinstance(exc, HydraException) else str(exc)
+    if isinstance(exc, HydraException) and exc.__cause__ is not None:
+        message += f" ({str(exc.__cause__).splitlines()[0]})"
+    log.error("failed: %s: %s", type(exc).__name__, message, exc_info=not expected)
+    _record_for_torchrun(exc)
+    sys.stderr.flush()
+
+
+def exit_failed(exc: BaseException) -> None:
+    """Report `exc` and end this process at once, from any thread: a process group is alive, and its
+    teardown can block (on a peer that stopped, forever)."""
+    report_failure(exc)
+    logging.shutdown()
+    os._exit(1)
+
+
 def run_main(run, config_name: str, usage: str, argv: list[str] | None = None) -> None:
     """Parse the flags, run `run(overrides)`, and on failure log it (role and rank in every line),
-    let peers report too, and exit non-zero at once. argv: default sys.argv[1:]."""
-    from hydra.errors import HydraException
-
+    let peers report too, and exit non-zero at once. argv: default sys.argv[1:]. Under torchrun the
+    process first asks the kernel to kill it when torchrun dies, whichever command it runs."""
     from launcher.run_io.rundir import setup_logging
+    if "LOCAL_RANK" in os.environ:
+        die_with_parent()
     if not log.handlers:
         setup_logging(config_name if config_name != "config" else "train", logging.INFO)
     try:
@@ -159,17 +196,10 @@ def run_main(run, config_name: str, usage: str, argv: list[str] | None = None) -
     except BaseException as exc:  # every rank reports its own failure, then exits non-zero at once
         if isinstance(exc, SystemExit):
             raise
-        expected = isinstance(exc, (ValueError, OSError, HydraException))
-        message = str(exc).splitlines()[0] if isinstance(exc, HydraException) else str(exc)
-        if isinstance(exc, HydraException) and exc.__cause__ is not None:
-            message += f" ({str(exc.__cause__).splitlines()[0]})"
-        log.error("failed: %s: %s", type(exc).__name__, message, exc_info=not expected)
-        _record_for_torchrun(exc)
-        sys.stderr.flush()
         import torch.distributed as dist
         if dist.is_available() and dist.is_initialized():
-            logging.shutdown()
-            os._exit(1)   # a process group is alive, and its teardown can block
+            exit_failed(exc)
+        report_failure(exc)
         _let_peers_report()
         raise SystemExit(1) from None
     sys.exit(code)

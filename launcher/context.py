@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from launcher.distributed.heartbeat import StartupProgress
+from launcher.distributed.heartbeat import Heartbeat
 from launcher.distributed.isolation import Isolation
 from launcher.distributed.topology import Groups
 from launcher.resolve import Job
@@ -24,7 +24,7 @@ class Context:
     resume_from: Path | None    # checkpoint it restores, if any
     isolation: Isolation
     provenance: dict            # command, code and library versions, hosts, rank layout
-    progress: StartupProgress   # start-up stages reported to the peers, and meeting points that name a stalled one
+    progress: Heartbeat         # stages reported to the peers, meeting points, and the watch naming a stalled peer
 
     @property
     def cfg(self):

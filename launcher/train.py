@@ -17,14 +17,12 @@ Examples:
 
 
 def run(overrides: list[str]) -> int:
-    from launcher.cli import die_with_parent
     from launcher.config import compose_config
     from launcher.distributed.startup import ProcessEnv
     from launcher.distributed.topology import parse_topology
     from launcher.resolve import check_combinations
     from launcher.run_io.rundir import setup_logging
 
-    die_with_parent()
     setup_logging(f"rank{os.environ.get('RANK', 0)}", logging.WARNING)
     cfg = compose_config(overrides)
     env = ProcessEnv.from_environ()
@@ -51,6 +49,9 @@ def run(overrides: list[str]) -> int:
         from launcher.run_io.summary import write_summary
         write_summary(ctx, gathered, sink)
         sink.close()
+    # Said while every rank still waits here (and under TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 rank 0 still
+    # hosts the store): this rank's silence from now on is its end, not a stall.
+    ctx.progress.finish()
     dist.barrier(group=ctx.groups.control)
     dist.destroy_process_group()
     return 0

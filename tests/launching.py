@@ -37,12 +37,13 @@ def torchrun(nproc: int, *args: str, timeout: float = 300, env=None, module: str
                           timeout=timeout, env=_env(env), check=False)
 
 
-def start_torchrun(nproc: int, *overrides: str, log_path: Path, module: str = "launcher.train") -> subprocess.Popen:
+def start_torchrun(nproc: int, *overrides: str, log_path: Path, module: str = "launcher.train",
+                   env=None) -> subprocess.Popen:
     """A torchrun job in the background (its own session), its output going to `log_path`; the
     Popen's pid is the torchrun agent's."""
     with open(log_path, "w") as out:
         return subprocess.Popen(_command(nproc, overrides, module, ()), cwd=REPO, stdout=out,
-                                stderr=subprocess.STDOUT, env=_env(None), start_new_session=True)
+                                stderr=subprocess.STDOUT, env=_env(env), start_new_session=True)
 
 
 def worker_pids(run_dir: Path) -> dict[str, int]:

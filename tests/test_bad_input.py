@@ -169,6 +169,13 @@ def test_an_unreadable_override_gets_one_line_saying_how_to_quote_it(argv, meant
     assert compose_config([suggested[1:-1]]).run.dir == meant
 
 
+def test_a_timeout_too_short_for_a_heartbeat_is_refused_before_any_process_group():
+    # issue 31: run.timeout_s=0.001 failed inside gloo's connection set-up, 40 C++ frames per rank.
+    with pytest.raises(ConfigError, match=r"^run.timeout_s=0.001: must be >= 5"):
+        compose_config(["run.timeout_s=0.001"])
+    assert compose_config(["run.timeout_s=5"]).run.timeout_s == 5
+
+
 def test_target_layer_ids_out_of_range(tmp_path, tiny_target_dir):
     with pytest.raises(ValueError, match=r"7.*\[0, 4\)|out of range.*7"):
         _job(tiny_target_dir, tmp_path, "drafter.target_layer_ids=[0,7]")

@@ -1,6 +1,8 @@
 """Every command line answers the same flags: --help (groups, every key with its default and
 meaning, usage), --cfg job|all (the composed config, exit 0), --info; a bad key is hydra's one-line
-error without a traceback; --multirun is a one-line answer."""
+error without a traceback; --multirun is a one-line answer. Under torchrun every command dies with it."""
+import os
+import signal
 import subprocess
 import sys
 
@@ -53,3 +55,39 @@ def test_a_bad_key_is_one_line_without_a_traceback():
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode != 0
     assert "Could not override 'train.stpes'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+_PARENT_DEATH_SIGNAL = """
+import ctypes, importlib, sys
+libc = ctypes.CDLL("libc.so.6")
+def signal_on_parent_death(overrides):
+    value = ctypes.c_int()
+    libc.prctl(2, ctypes.byref(value))   # PR_GET_PDEATHSIG
+    print(sys.argv[0], value.value)
+    return 0
+for name in sys.argv[1:]:
+    module = importlib.import_module(name)
+    module.run = signal_on_parent_death   # main() looks run up when it runs
+    libc.prctl(1, 0)                      # PR_SET_PDEATHSIG: none, so each entry point must set its own
+    sys.argv[0] = name
+    try:
+        module.main()
+    except SystemExit:
+        pass
+"""
+
+
+def test_every_entry_point_under_torchrun_dies_with_it():
+    """issue 31: after a SIGKILL of torchrun, launcher.regenerate's workers went on as orphans (only
+    launcher.train asked the kernel for SIGKILL on its parent's death); the bench's child torchrun
+    dies with the bench."""
+    modules = ["launcher.train", "launcher.evaluate", "launcher.regenerate", "launcher.export"]
+    proc = subprocess.run([sys.executable, "-c", _PARENT_DEATH_SIGNAL, *modules], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, check=False, env={**os.environ, "LOCAL_RANK": "0"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("\n")[:-1] == [f"{module} {int(signal.SIGKILL)}" for module in modules], proc.stdout
+
+    from launcher.bench.stages import child_env, stream
+    code, tail = stream([sys.executable, "-c", _PARENT_DEATH_SIGNAL.split("for name")[0] + "signal_on_parent_death(0)"],
+                        env=child_env(tiny=True), timeout_s=60, prefix="child")
+    assert code == 0 and tail.endswith(f" {int(signal.SIGKILL)}"), tail

@@ -1,6 +1,9 @@
 """One job per run dir (launcher/run_io/lock.py) and start-up waits that name a stalled rank
 (launcher/distributed/heartbeat.py), in one process: fast."""
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
 import threading
@@ -11,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from launcher.distributed import heartbeat
-from launcher.distributed.heartbeat import PeerStalled, StartupProgress
+from launcher.distributed.heartbeat import Heartbeat, PeerStalled
 from launcher.run_io import lock
 from launcher.run_io.lock import RunDirBusy, RunLock
 
@@ -75,10 +78,11 @@ def store():
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
 
 
-def _progress(store, rank, timeout_s=1.0, startup_timeout_s=30.0):
-    client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))
-    return StartupProgress(dist.PrefixStore("job/0/", client), rank, ["target", "drafter"], timeout_s,
-                           startup_timeout_s)
+def _progress(store, rank, timeout_s=1.0, startup_timeout_s=30.0, roles=("target", "drafter"), on_stall=None,
+              port=None):
+    client = dist.TCPStore("127.0.0.1", port or store.port, is_master=False, timeout=timedelta(seconds=10))
+    return Heartbeat(dist.PrefixStore("job/0/", client), rank, list(roles), timeout_s, startup_timeout_s,
+                     on_stall=on_stall)
 
 
 def test_meeting_peers_that_arrive_adds_no_delay(store):
@@ -115,3 +119,53 @@ def test_a_rank_alive_but_still_busy_is_waited_for_up_to_the_startup_timeout(sto
         target.meet("stream")
     assert time.monotonic() - started > 2.5   # well past run.timeout_s=1: a live peer is not a stalled one
     target.close(), drafter.close()
+
+
+def test_the_watch_names_a_stopped_peer_wherever_this_rank_is_and_not_one_that_finished(store):
+    """Rank 0 is busy elsewhere (not at a meeting point, as in a collective): its watch thread reports
+    the peer that stopped beating, not the one that ended normally."""
+    stalls = []
+    roles = ("target", "drafter", "drafter")
+    target = _progress(store, 0, roles=roles, on_stall=stalls.append)
+    finished, stopped = _progress(store, 1, roles=roles), _progress(store, 2, roles=roles)
+    target.stage("streaming")
+    finished.finish()
+    stopped.close()   # as if SIGSTOPped: no more beats
+    started = time.monotonic()
+    while not stalls and time.monotonic() - started < 10:
+        time.sleep(0.05)
+    assert stalls, "no stall reported"
+    waited = time.monotonic() - started
+    assert 1.0 < waited < 1.0 + 3 * heartbeat.beat_interval(1.0) + 2, waited   # slack for a loaded machine
+    assert re.match(r"rank 2 \(drafter on host \S+ pid \d+, logs/drafter2.log\) stopped reporting: no heartbeat for "
+                    r"\d+ s \(run.timeout_s=1\) while rank 0 was at stage streaming", str(stalls[0])), stalls[0]
+    assert all("rank 2 " in str(stall) for stall in stalls)   # the finished rank 1 is never named
+    target.close()
+
+
+def test_a_stopped_store_host_is_named_and_nothing_waits_on_it_forever(monkeypatch):
+    """Under TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 rank 0 hosts torchrun's store; stopped, it leaves the
+    store's socket open, and a store call would block past its own timeout."""
+    server = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as d; "
+                               "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False); "
+                               "print(s.port, flush=True); time.sleep(300)"], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        host = _progress(None, 0, port=port)
+        host.stage("loading_target")
+        drafter = _progress(None, 1, port=port)
+        time.sleep(3 * heartbeat.beat_interval(1.0))   # the drafter reads rank 0's record
+        host.close()
+        os.kill(server.pid, signal.SIGSTOP)   # rank 0, with its store
+        started = time.monotonic()
+        with pytest.raises(PeerStalled, match=r"rank 0 \(target on host \S+ pid \d+, logs/target0.log\), the host of "
+                                              rf"torchrun's store at 127.0.0.1:{port} \(TORCH_DISABLE_SHARE_RDZV_TCP_"
+                                              r"STORE=1\), stopped answering: .* its last stage: loading_target"):
+            drafter.meet("stream")
+        assert time.monotonic() - started < 1.0 + 3 * heartbeat.beat_interval(1.0) + 2   # slack for a loaded machine
+        drafter.close()
+    finally:
+        server.kill()

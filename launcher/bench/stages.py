@@ -21,6 +21,7 @@ from launcher.bench.ceiling import rate_fields, sync
 from launcher.bench.counts import documents_of, drafter_step_flops, target_forward_flops
 from launcher.bench.profiling import profile_steps
 from launcher.bench.report import fmt
+from launcher.cli import die_with_parent_preexec
 
 REPO = Path(__file__).resolve().parents[2]
 _T0 = time.perf_counter()
@@ -299,10 +300,11 @@ def _drafter_row(job, workload: Workload, timed, ceiling, *, params: int, warm_s
 # ------------------------------------------------------------------------------ subprocesses
 def stream(cmd: list[str], *, env: dict, timeout_s: float, prefix: str) -> tuple[int | None, str]:
     """Run cmd, echo its output as it comes (prefixed), return (exit code or None on timeout, tail).
-    On timeout the whole process group (torchrun and every worker it started) is killed."""
+    On timeout the whole process group (torchrun and every worker it started) is killed; if this
+    process dies, the kernel kills cmd (and torchrun's workers follow torchrun)."""
     tail: deque[str] = deque(maxlen=60)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            bufsize=1, start_new_session=True)
+                            bufsize=1, start_new_session=True, preexec_fn=die_with_parent_preexec())
 
     def pump():
         for line in proc.stdout:

@@ -126,7 +126,11 @@ class RunSettings:
     dir: Optional[str] = knob(None, "run directory; null: rank 0 picks runs/<timestamp> once", nonempty=True)
     seed: int = knob(0, "seed of the data order, anchors and initialisation", ge=0)
     device: str = knob("auto", "auto (cuda when every rank has its own GPU) | cpu | cuda", choices=DEVICES)
-    timeout_s: float = knob(300.0, "process-group timeout: no collective or receive waits longer", gt=0)
+    # At least 5 s: a healthy rank on a busy host can miss its heartbeats (and gloo's connection set-up,
+    # which shares this timeout, can take) a second or more; below that healthy jobs fail at random.
+    timeout_s: float = knob(300.0, "seconds a rank may be silent (no heartbeat, no answer) before its peers name it "
+                                   "and the job stops; collectives wait a few heartbeats longer (at least 5: a busy "
+                                   "host delays a healthy rank's heartbeat by seconds)", ge=5)
     startup_timeout_s: float = knob(1800.0, "how long ranks wait for each other's loading and compiling", gt=0)
     warm_up: Any = knob("auto", "compile the drafter before the stream starts: auto (with data.fixed_length)",
                         choices=AUTO_BOOL)
@@ -215,7 +219,8 @@ class RegenerateSettings:
     on_bad_line: str = knob("fail", "fail | skip malformed input records", choices=BAD_LINE)
     resume: bool = knob(True, "keep answers already in <output>.parts/ from an interrupted identical run")
     device: str = knob("auto", "auto (cuda when available) | cpu | cuda", choices=DEVICES)
-    timeout_s: float = knob(7200.0, "process-group timeout: ranks wait this long for the slowest one", gt=0)
+    # At least 5 s, as run.timeout_s: gloo's connection set-up shares this timeout.
+    timeout_s: float = knob(7200.0, "process-group timeout: ranks wait this long for the slowest one", ge=5)
     log_every: int = knob(10, "progress line every N batches (rank 0)", ge=1)
 
 

@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from launcher.cli import exit_failed
 from launcher.config import config_hash, config_yaml
 from launcher.context import Context
-from launcher.distributed.heartbeat import StartupProgress
+from launcher.distributed.heartbeat import Heartbeat, collective_timeout_s
 from launcher.distributed.isolation import check_own_gpu, isolate, own_gpu
 from launcher.distributed.topology import Topology, build_groups
 from launcher.resolve import Job, ensure_embedded_target, resolve, resolve_device
@@ -78,7 +79,8 @@ def _check_same_config(cfg: DictConfig, control) -> None:
                            f"(hashes {hashes}): launch every rank with the same overrides and conf/")
 
 
-def _resume_point(job: Job, env: ProcessEnv, lead: int, run_dir: Path, control) -> tuple[int, Path | None]:
+def _resume_point(job: Job, env: ProcessEnv, lead: int, run_dir: Path, control,
+                  progress: Heartbeat) -> tuple[int, Path | None]:
     """The lead drafter picks the checkpoint to resume from (launcher/run_io/resume.py); every rank starts
     its stream at its step, or, when the checkpoint already reached train.steps, every rank exits 0."""
     box: list = [None, None]
@@ -95,16 +97,18 @@ def _resume_point(job: Job, env: ProcessEnv, lead: int, run_dir: Path, control) 
     point = box[0]
     if point.finished:
         log.log(logging.WARNING if env.rank == lead else logging.INFO, "%s", point.finished)
+        progress.finish()
         dist.destroy_process_group()
         raise SystemExit(0)
     return point.step, (Path(point.path) if point.path else None)
 
 
-def _progress(cfg: DictConfig, topo: Topology, env: ProcessEnv) -> StartupProgress:
-    """This rank's start-up reports (and the test-only fault.stage injection on entering a stage)."""
+def _heartbeat(cfg: DictConfig, topo: Topology, env: ProcessEnv) -> Heartbeat:
+    """This rank's heartbeat and stage reports (and the test-only fault.stage injection on entering a
+    stage); a peer that stops beating ends this process, naming it, wherever this rank waits."""
     roles = [topo.role(r) for r in range(env.world)]
-    return StartupProgress.connect(env.rank, roles, cfg.run.timeout_s, cfg.run.startup_timeout_s,
-                                   on_stage=partial(maybe_fail_at_stage, cfg.fault, env.rank))
+    return Heartbeat.connect(env.rank, roles, cfg.run.timeout_s, cfg.run.startup_timeout_s,
+                             on_stage=partial(maybe_fail_at_stage, cfg.fault, env.rank), on_stall=exit_failed)
 
 
 def start_process(cfg: DictConfig, overrides: list[str], topo: Topology, env: ProcessEnv) -> Context:
@@ -119,10 +123,11 @@ def start_process(cfg: DictConfig, overrides: list[str], topo: Topology, env: Pr
     if device.type == "cuda":
         torch.cuda.set_device(device)
         check_own_gpu(gpu)
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.run.timeout_s),
+    timeout_s = collective_timeout_s(cfg.run.timeout_s)   # the heartbeat names a stopped peer first
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
                             device_id=device if backend == "nccl" else None)
-    groups = build_groups(topo, env.rank, cfg.run.timeout_s)
-    progress = _progress(cfg, topo, env)
+    groups = build_groups(topo, env.rank, timeout_s)
+    progress = _heartbeat(cfg, topo, env)
     run_dir = _agree_on_run_dir(cfg, env, groups.control)
     lead = env.rank == topo.lead_drafter
     setup_logging(tag, logging.INFO if lead else logging.WARNING, run_dir / "logs" / f"{tag}.log")
@@ -141,7 +146,7 @@ def start_process(cfg: DictConfig, overrides: list[str], topo: Topology, env: Pr
     progress.meet("target_ready")
     progress.stage("resolving")
     job = resolve(cfg, topo, device)
-    start_step, resume_from = _resume_point(job, env, topo.lead_drafter, run_dir, groups.control)
+    start_step, resume_from = _resume_point(job, env, topo.lead_drafter, run_dir, groups.control, progress)
     if env.rank == 0:   # only once the run may go on: a refused resume leaves the run's own record as it was
         (run_dir / "config.yaml").write_text(config_yaml(cfg))
         write_provenance(run_dir, record)
