@@ -71,6 +71,7 @@ def evaluate(cfg: DictConfig) -> dict:
     from dflash_core.data import load_tokenizer
     from dflash_core.prompts import stop_token_ids
     from dflash_core.speculative import greedy_decode, speculative_generate
+    from dflash_core.target import check_target_files
 
     ev = cfg.evaluate
     template_kwargs = OmegaConf.to_container(ev.chat_template_kwargs)
@@ -78,6 +79,7 @@ def evaluate(cfg: DictConfig) -> dict:
     dtype = compute_dtype(cfg.target.dtype, device)
     ensure_embedded_target(cfg, ev.seed)
     path = target_dir(cfg)
+    check_target_files(path)
     hf_logging.disable_progress_bar()
     tokenizer = load_tokenizer(path)
     target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()

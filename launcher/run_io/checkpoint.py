@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from dflash_core.readers import load_torch, read_json
+
 log = logging.getLogger("dflash")
 _NAME = re.compile(r"^step_(\d{8})$")
 LINEAGE_FILE = "lineage.json"
@@ -85,7 +87,7 @@ def set_rng_state(state: dict) -> None:
 def read_lineage(root: Path) -> dict | None:
     """{"id", "parent", "started"} of the lineage writing into `root`, or None."""
     path = Path(root) / LINEAGE_FILE
-    return json.loads(path.read_text()) if path.is_file() else None
+    return read_json(path) if path.is_file() else None
 
 
 def start_lineage(root: Path, parent: str | None = None, **about) -> str:
@@ -105,7 +107,7 @@ def _lineage_id(root: Path) -> str:
 
 
 def read_meta(path: Path) -> dict:
-    return json.loads((Path(path) / "meta.json").read_text())
+    return read_json(Path(path) / "meta.json")
 
 
 def complete(root: Path) -> list[Path]:
@@ -218,7 +220,7 @@ def load(path: Path) -> tuple[int, dict]:
     path = Path(path)
     meta = read_meta(path)
     # mmap: checking a large checkpoint does not read it all; a torn zip still fails here.
-    state = torch.load(path / "state.pt", map_location="cpu", weights_only=False, mmap=True)
+    state = load_torch(path / "state.pt", map_location="cpu", weights_only=False, mmap=True)
     if state.get("step") != meta["step"]:
         raise ValueError(f"{path}: state step {state.get('step')} != meta step {meta['step']}")
     return meta["step"], state

@@ -1,0 +1,117 @@
+"""Files that are there but cannot be used (truncated, corrupt, not what they should be), checkpoints
+pruned under a reader, and a drafter evaluated with a target it was not trained for: each entry point
+names the file or the mismatch, with no traceback and no earlier result replaced (issues 31 and 33;
+README "Bad input")."""
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig, AutoTokenizer
+
+from dflash_core.export import export_drafter
+from dflash_core.frozen_head import FrozenTargetHead
+from dflash_core.model import DFlashDrafter, DrafterConfig
+from dflash_core.readers import BadFileError
+from dflash_core.target import load_target
+from dflash_core.tiny import first_unused_token_id
+from launcher import evaluate
+from launcher import export as export_cli
+from launcher.cli import run_main
+from launcher.run_io import checkpoint
+from tests.drafters import drafter_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def truncate(path: Path) -> None:
+    """What an interrupted copy leaves: the first half of the file."""
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
+@pytest.fixture(scope="module")
+def fitting_drafter(tiny_target_dir):
+    """A one-layer drafter built for the tiny target."""
+    config = AutoConfig.from_pretrained(tiny_target_dir)
+    mask_id = first_unused_token_id(AutoTokenizer.from_pretrained(tiny_target_dir), config)
+    return DFlashDrafter(DrafterConfig.from_target(config, num_layers=1, block_size=4, mask_token_id=mask_id), seed=0)
+
+
+def save_checkpoint(root: Path, drafter, step: int, keep: int = 2) -> Path:
+    state = {"step": step, "model": drafter.state_dict(), "drafter_config": dataclasses.asdict(drafter.config)}
+    return checkpoint.save(root, step, state, keep=keep)
+
+
+def failure(capsys, run, name: str, args: list[str]) -> str:
+    """What the user sees of a failing command: exit 1 and its error line, never a traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(run, name, "", args)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and "Traceback" not in err, err
+    return err
+
+
+def evaluate_args(target, drafter, *extra) -> list[str]:
+    return [f"target.path={target}", f"evaluate.drafter={drafter}", "evaluate.device=cpu", "evaluate.num_prompts=1",
+            "evaluate.max_new_tokens=2", *extra]
+
+
+# ----------------------------------------------------------------------------- the target's files
+def test_a_truncated_target_safetensors_is_named(tmp_path, tiny_target_dir, fitting_drafter, capsys):
+    """Issue 31: `SafetensorError: invalid header length`, no path."""
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target_dir, target)
+    weights = target / "model.safetensors"
+    truncate(weights)
+    said = rf"{weights}: not a readable safetensors file: deserializing header: incomplete metadata"
+    with pytest.raises(BadFileError, match=said):   # the target ranks
+        load_target(target, layer_ids=[0])
+    with pytest.raises(BadFileError, match=said):   # the drafter ranks (the frozen embedding and LM head)
+        FrozenTargetHead.from_target_dir(target)
+    export_drafter(fitting_drafter, tmp_path / "export")
+    err = failure(capsys, evaluate.run, "evaluate", evaluate_args(target, tmp_path / "export"))
+    assert f"BadFileError: {weights}: not a readable safetensors file" in err and "truncated or corrupt" in err
+
+
+# ----------------------------------------------------------------------------- the drafter's files
+def _break_weights(export: Path) -> tuple[Path, str]:
+    truncate(export / "model.safetensors")
+    return export, f"{export / 'model.safetensors'}: not a readable safetensors file"
+
+
+def _break_config(export: Path) -> tuple[Path, str]:
+    truncate(export / "config.json")
+    return export, f"{export / 'config.json'}: not valid JSON"
+
+
+def _drop_dflash_config(export: Path) -> tuple[Path, str]:
+    config = json.loads((export / "config.json").read_text())
+    del config["dflash_config"]
+    (export / "config.json").write_text(json.dumps(config))
+    return export, f"{export / 'config.json'}: not a DFlash export: it has no dflash_config"
+
+
+def _truncated_checkpoint(export: Path) -> tuple[Path, str]:
+    ckpt = save_checkpoint(export.parent / "checkpoints", evaluate.load_drafter(export), step=3)
+    truncate(ckpt / "state.pt")
+    return ckpt, f"{ckpt / 'state.pt'}: not a readable torch file"
+
+
+@pytest.mark.parametrize("breakage", [_break_weights, _break_config, _drop_dflash_config, _truncated_checkpoint])
+def test_evaluate_names_the_broken_drafter_file(tmp_path, tiny_target_dir, fitting_drafter, capsys, breakage):
+    """Issue 33: SafetensorError, JSONDecodeError, KeyError: 'dflash_config', PytorchStreamReader failed."""
+    export_drafter(fitting_drafter, tmp_path / "export")
+    drafter, said = breakage(tmp_path / "export")
+    err = failure(capsys, evaluate.run, "evaluate", evaluate_args(tiny_target_dir, drafter))
+    assert f"BadFileError: {said}" in err
+
+
+def test_export_names_a_truncated_checkpoint_file(tmp_path, fitting_drafter, capsys):
+    """Issue 33: `RuntimeError: PytorchStreamReader failed`, no path."""
+    ckpt = save_checkpoint(tmp_path / "run" / "checkpoints", fitting_drafter, step=3)
+    truncate(ckpt / "state.pt")
+    err = failure(capsys, export_cli.run, "export", [f"export.checkpoint={ckpt}", f"export.out={tmp_path / 'out'}"])
+    assert f"BadFileError: {ckpt / 'state.pt'}: not a readable torch file" in err
+    assert not (tmp_path / "out").exists()
