@@ -45,9 +45,9 @@ def run_facts(checkpoint_path: Path) -> dict:
 def run(overrides: list[str]) -> int:
     cfg = compose_config(overrides, config_name="export")
     checkpoint_dir = Path(cfg.export.checkpoint)
-    if not (checkpoint_dir / "meta.json").is_file():
-        raise ConfigError(f"export.checkpoint={str(checkpoint_dir)!r}: not a complete checkpoint (no meta.json); "
-                          f"pass a run's checkpoints/step_XXXXXXXX directory")
+    problem = checkpoint.why_incomplete(checkpoint_dir)
+    if problem:
+        raise ConfigError(f"export.checkpoint={str(checkpoint_dir)!r}: {problem}")
     out = Path(cfg.export.out) if cfg.export.out else checkpoint_dir.parent.parent / f"export_{checkpoint_dir.name}"
     command = shlex.join(["python", "-m", "launcher.export", *overrides])
     print(export_checkpoint(checkpoint_dir, out, overwrite=cfg.export.overwrite, card={"command": command}))

@@ -115,3 +115,29 @@ def test_export_names_a_truncated_checkpoint_file(tmp_path, fitting_drafter, cap
     err = failure(capsys, export_cli.run, "export", [f"export.checkpoint={ckpt}", f"export.out={tmp_path / 'out'}"])
     assert f"BadFileError: {ckpt / 'state.pt'}: not a readable torch file" in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("when", ["before the export", "while it starts", "while it reads"])
+def test_export_of_a_checkpoint_pruned_meanwhile_says_so(tmp_path, fitting_drafter, capsys, monkeypatch, when):
+    """Issue 31: `not a complete checkpoint (no meta.json)` for a checkpoint the running job pruned."""
+    root = tmp_path / "run" / "checkpoints"
+    ckpt = save_checkpoint(root, fitting_drafter, step=3)
+    save_checkpoint(root, fitting_drafter, step=4)
+    if when == "before the export":
+        shutil.rmtree(ckpt)
+    elif when == "while it starts":   # the job's rmtree is under way: meta.json gone, the directory not yet
+        (ckpt / "meta.json").unlink()
+    else:
+        read = checkpoint.load_torch
+
+        def pruned_first(path, **kwargs):
+            shutil.rmtree(ckpt)   # what the job's next save does to its older checkpoints
+            return read(path, **kwargs)
+        monkeypatch.setattr(checkpoint, "load_torch", pruned_first)
+    err = failure(capsys, export_cli.run, "export", [f"export.checkpoint={ckpt}", f"export.out={tmp_path / 'out'}"])
+    said = {"before the export": "no such directory: ", "while it starts": "not a complete checkpoint (no meta.json): ",
+            "while it reads": "was removed while being read: "}[when]
+    assert said in err, err
+    assert f"the job writing {root} removes its older checkpoints" in err
+    assert "the newest complete one now is step_00000004" in err
+    assert not (tmp_path / "out").exists()
