@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoTokenizer
 from dflash_core.export import export_drafter
 from dflash_core.frozen_head import FrozenTargetHead
 from dflash_core.model import DFlashDrafter, DrafterConfig
+from dflash_core.model_card import TARGET_IDENTITY, read_card_info, target_identity
 from dflash_core.readers import BadFileError
 from dflash_core.target import load_target
 from dflash_core.tiny import first_unused_token_id
@@ -141,3 +142,66 @@ def test_export_of_a_checkpoint_pruned_meanwhile_says_so(tmp_path, fitting_draft
     assert f"the job writing {root} removes its older checkpoints" in err
     assert "the newest complete one now is step_00000004" in err
     assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- drafter and target
+def _other_target(tmp_path: Path, tiny_target_dir: Path) -> Path:
+    """The tiny target's shapes under another family's config: what `target=tiny_llama` gives."""
+    other = tmp_path / "tiny-llama"
+    shutil.copytree(tiny_target_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    config.update(model_type="llama", architectures=["LlamaForCausalLM"])
+    (other / "config.json").write_text(json.dumps(config))
+    return other
+
+
+@pytest.mark.parametrize("recorded", ["identity", "path only", "checkpoint"])
+def test_evaluate_refuses_a_drafter_trained_for_another_target(tmp_path, tiny_target_dir, fitting_drafter, capsys,
+                                                              recorded):
+    """Issue 33: a tiny-Qwen3 export evaluated with target=tiny_llama ran without a word (tau 1.000) and
+    replaced the earlier result for the right target; even evaluate.overwrite=true keeps it now."""
+    if recorded == "checkpoint":   # its run's config.yaml records the target
+        drafter = save_checkpoint(tmp_path / "run" / "checkpoints", fitting_drafter, step=3)
+        (tmp_path / "run" / "config.yaml").write_text(f"target:\n  path: {tiny_target_dir}\n")
+    else:
+        drafter = tmp_path / "export"
+        card = {"target": str(tiny_target_dir)}
+        if recorded == "identity":
+            card[TARGET_IDENTITY] = target_identity(tiny_target_dir)
+        export_drafter(fitting_drafter, drafter, card=card)
+    earlier = Path(str(drafter) + ".speculative.json")
+    earlier.write_text('{"tau": 3.5}\n')
+    other = _other_target(tmp_path, tiny_target_dir)
+    err = failure(capsys, evaluate.run, "evaluate", evaluate_args(other, drafter, "evaluate.overwrite=true"))
+    assert f"does not fit target.path='{other}': it was trained for the target {tiny_target_dir}" in err
+    assert ("model_type qwen3" in err and "this one is model_type llama" in err) if recorded != "path only" else \
+        f"not {other}" in err
+    assert "evaluate.check_target=false" in err
+    assert earlier.read_text() == '{"tau": 3.5}\n'
+
+
+def test_evaluate_names_each_shape_mismatch(tmp_path, tiny_target_dir, capsys):
+    """Hidden size, layers and vocabulary, before any target weight loads."""
+    export_drafter(DFlashDrafter(drafter_config(), seed=0), tmp_path / "export")
+    err = failure(capsys, evaluate.run, "evaluate", evaluate_args(tiny_target_dir, tmp_path / "export"))
+    assert "hidden size: the drafter's 32, the target's 128" in err
+    assert "layers: the drafter reads layer ids [0, 1] of a 2-layer target, this target has 4 layers" in err
+    assert "vocabulary: the drafter's 50 tokens, the target's 1088" in err
+
+
+def test_evaluate_keeps_earlier_results(tmp_path, tiny_target_dir, fitting_drafter, capsys):
+    """An existing result file is replaced only with evaluate.overwrite=true; an export's card keeps its
+    earlier acceptance length unless asked."""
+    export = tmp_path / "export"
+    export_drafter(fitting_drafter, export, card={"acceptance_length": 3.5})
+    earlier = Path(str(export) + ".speculative.json")
+    earlier.write_text('{"tau": 3.5, "target": "/t"}\n')
+    err = failure(capsys, evaluate.run, "evaluate", evaluate_args(tiny_target_dir, export))
+    assert f"evaluate.output='{earlier}' already exists (an earlier result: tau 3.5, target /t)" in err
+    assert "evaluate.overwrite=true" in err and earlier.read_text() == '{"tau": 3.5, "target": "/t"}\n'
+
+    elsewhere = tmp_path / "second.json"
+    assert evaluate.run(evaluate_args(tiny_target_dir, export, f"evaluate.output={elsewhere}")) == 0
+    assert json.loads(elsewhere.read_text())["prompts"] == 1
+    assert read_card_info(export)["acceptance_length"] == 3.5
+    assert "keeps its earlier acceptance length 3.500" in capsys.readouterr().err
