@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from dflash_core.export import export_drafter
@@ -20,6 +21,9 @@ from dflash_core.tiny import first_unused_token_id
 from launcher import evaluate
 from launcher import export as export_cli
 from launcher.cli import run_main
+from launcher.config import compose_config
+from launcher.distributed.topology import Topology
+from launcher.resolve import resolve
 from launcher.run_io import checkpoint
 from tests.drafters import drafter_config
 
@@ -67,6 +71,8 @@ def test_a_truncated_target_safetensors_is_named(tmp_path, tiny_target_dir, fitt
     weights = target / "model.safetensors"
     truncate(weights)
     said = rf"{weights}: not a readable safetensors file: deserializing header: incomplete metadata"
+    with pytest.raises(BadFileError, match=said):   # every rank, resolving its job
+        resolve(compose_config([f"target.path={target}"]), Topology(1, 1), torch.device("cpu"))
     with pytest.raises(BadFileError, match=said):   # the target ranks
         load_target(target, layer_ids=[0])
     with pytest.raises(BadFileError, match=said):   # the drafter ranks (the frozen embedding and LM head)
