@@ -91,8 +91,9 @@ def other_target(info, target_dir):
         return (f"it was trained for the target {recorded} (model_type {identity.get('model_type')}, config.json "
                 f"sha256 {identity.get('config_sha256')}), this one is model_type {here['model_type']} "
                 f"({here['config_sha256']})")
-    if recorded and Path(recorded).resolve() != Path(target_dir).resolve():
-        return f"it was trained for the target {recorded} ({Path(recorded).resolve()}), not {Path(target_dir).resolve()}"
+    there, here = (Path(path).resolve() for path in (recorded or target_dir, target_dir))
+    if there != here:
+        return f"it was trained for the target {recorded} ({there}), not {here}"
     return ""
 
 
