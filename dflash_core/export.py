@@ -23,12 +23,12 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .finite import check_finite
 from .model import DFlashDrafter
 from .model_card import CARD_NAME, write_model_card
+from .readers import bad_file, load_safetensors, read_json
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -163,8 +163,8 @@ def _not_an_export(path):
     if foreign:
         return f"it holds {', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}, which an export never writes"
     try:
-        architectures = json.loads((path / CONFIG_NAME).read_text()).get("architectures")
-    except (OSError, ValueError, AttributeError):
+        architectures = read_json(path / CONFIG_NAME).get("architectures")
+    except (OSError, ValueError):
         return f"no readable {CONFIG_NAME}"
     if architectures != ARCHITECTURES:
         return f"its {CONFIG_NAME} describes {architectures}, not {ARCHITECTURES}"
@@ -203,13 +203,28 @@ def load_exported(path, *, device=None, dtype=torch.float32):
     """Load an exported drafter; any missing or unexpected tensor name is an error."""
     # Imported here: hf_model pulls in transformers' modeling code (~0.5 s), which a process that
     # only writes exports (every training drafter) never needs.
-    from .hf_model import drafter_config_from_dict
     path = Path(path)
-    cfg = drafter_config_from_dict(json.loads((path / CONFIG_NAME).read_text()))
-    with safe_open(str(path / WEIGHTS_NAME), framework="pt") as f:
-        state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (a safe_open handle is not a dict)
+    cfg = read_exported_config(path)
+    state = load_safetensors(path / WEIGHTS_NAME)
     _check_keys(set(state), set(expected_keys(cfg)), str(path / WEIGHTS_NAME))
     with torch.device("meta"):  # skip the random init: every tensor comes from the file
         drafter = DFlashDrafter(cfg)
     drafter.load_state_dict(state, assign=True)
     return drafter.to(device=device, dtype=dtype)
+
+
+def read_exported_config(path):
+    """The DrafterConfig of the export in directory `path`; a config.json that is not a DFlash
+    drafter's is a BadFileError saying what it lacks."""
+    from .hf_model import drafter_config_from_dict
+    config_file = Path(path) / CONFIG_NAME
+    config = read_json(config_file)
+    dflash = config.get("dflash_config")
+    if not isinstance(dflash, dict):
+        raise bad_file(config_file, "not a DFlash export: it has no dflash_config (the drafter's mask token, "
+                       "target layer ids and block size)", "point at a directory that launcher.export wrote")
+    try:
+        return drafter_config_from_dict(config)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise bad_file(config_file, f"not a usable DFlash drafter config ({type(exc).__name__}: {exc})",
+                       "point at a directory that launcher.export wrote") from None

@@ -6,13 +6,13 @@ checkpoint, under the names every supported family uses (dflash_core.families): 
 checkpoints keep the decoder under `model.`, composite multimodal ones (Qwen3.5/3.6) under
 `model.language_model.`; the LM head is `lm_head.weight` in both."""
 
-import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
+
+from .readers import bad_file, open_safetensors, read_json
 
 EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
 LM_HEAD_KEY = "lm_head.weight"
@@ -22,18 +22,20 @@ def _tensor_files(target_dir):
     """{tensor name: safetensors file} for a single-file or sharded checkpoint."""
     index = target_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise bad_file(index, "has no weight_map (tensor name -> shard file)")
         return {name: target_dir / shard for name, shard in weight_map.items()}
     single = target_dir / "model.safetensors"
     if single.is_file():
-        with safe_open(single, framework="pt") as f:
+        with open_safetensors(single) as f:
             return dict.fromkeys(f.keys(), single)
     raise FileNotFoundError(f"{target_dir} has no model.safetensors or "
                             f"model.safetensors.index.json")
 
 
 def _read(files, name):
-    with safe_open(files[name], framework="pt") as f:
+    with open_safetensors(files[name]) as f:
         return f.get_tensor(name)
 
 
@@ -62,7 +64,7 @@ class FrozenTargetHead(nn.Module):
         if embed_key is None:
             raise KeyError(f"{target_dir}: none of {EMBED_KEYS} among {len(files)} tensors")
         config_file = target_dir / "config.json"
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        config = read_json(config_file) if config_file.is_file() else {}
         tied = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings",
                                                                                    LM_HEAD_KEY not in files))
         if not tied and LM_HEAD_KEY not in files:

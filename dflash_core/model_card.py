@@ -6,16 +6,19 @@ as one line of JSON, in the card's YAML front matter under `dflash_training`, so
 evaluation can add the real acceptance length and render the card again without losing them.
 """
 
+import hashlib
 import json
 import os
 import shlex
 from pathlib import Path
 
+from .readers import read_json
+
 CARD_NAME = "README.md"
 _INFO_KEY = "dflash_training"
 
 # The training facts a card shows, in this order. Keys of the info dict not named here (and not
-# "provenance" or "acceptance_eval") are shown after them under their own names.
+# "provenance", "acceptance_eval" or "target_identity") are shown after them under their own names.
 FIELDS = {
     "target": "Target model",
     "data": "Training data",
@@ -27,16 +30,21 @@ FIELDS = {
 }
 PROVENANCE = "provenance"          # dict: code version, torch / transformers / CUDA / NCCL versions, ...
 ACCEPTANCE_EVAL = "acceptance_eval"  # dict: how acceptance_length was measured (prompts, data, ...)
+TARGET_IDENTITY = "target_identity"  # dict: the target's model_type and config.json digest (target_identity())
+_SHOWN_ELSEWHERE = (PROVENANCE, ACCEPTANCE_EVAL, TARGET_IDENTITY)  # or not at all: the identity is for checks
+# config.json keys that differ between copies of one model (who saved it, with what, in which dtype).
+_COPY_KEYS = ("_name_or_path", "transformers_version", "torch_dtype", "dtype")
 
 
 def write_model_card(out_dir, info):
     """Write (or replace, atomically) out_dir/README.md from `info`, a plain JSON-able dict with
     any of: target, data (list of files), steps, tokens_seen, heldout_tau, acceptance_length,
-    acceptance_eval (dict), command (str or argv list), provenance (dict). The architecture
+    acceptance_eval (dict), command (str or argv list), provenance (dict), target_identity (dict,
+    target_identity(): what later evaluations check the target against). The architecture
     comes from out_dir/config.json when it is there."""
     out_dir = Path(out_dir)
     config_path = out_dir / "config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    config = read_json(config_path) if config_path.is_file() else {}
     _write_atomically(out_dir / CARD_NAME, render_model_card(info, config))
 
 
@@ -63,6 +71,32 @@ def record_acceptance_length(out_dir, acceptance_length, details=None):
     write_model_card(out_dir, info)
 
 
+def target_identity(target_dir):
+    """What names a target beyond its path, which moves: {"model_type", "config_sha256"} (the digest
+    of its config.json without the keys that differ between copies of one model)."""
+    config = read_json(Path(target_dir) / "config.json")
+    kept = {key: value for key, value in config.items() if key not in _COPY_KEYS}
+    digest = hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return {"model_type": config.get("model_type"), "config_sha256": digest}
+
+
+def other_target(info, target_dir):
+    """How the target a card's `info` records differs from `target_dir` ("" when it is the same, or
+    when the card records none): by identity when recorded, else by resolved path."""
+    recorded, identity = info.get("target"), info.get(TARGET_IDENTITY)
+    if identity:
+        here = target_identity(target_dir)
+        if identity.get("config_sha256") == here["config_sha256"]:
+            return ""
+        return (f"it was trained for the target {recorded} (model_type {identity.get('model_type')}, config.json "
+                f"sha256 {identity.get('config_sha256')}), this one is model_type {here['model_type']} "
+                f"({here['config_sha256']})")
+    there, here = (Path(path).resolve() for path in (recorded or target_dir, target_dir))
+    if there != here:
+        return f"it was trained for the target {recorded} ({there}), not {here}"
+    return ""
+
+
 def render_model_card(info, config):
     target = info.get("target")
     # One line of JSON is also valid YAML: the Hub's card parser and read_card_info both read it.
@@ -72,7 +106,7 @@ def render_model_card(info, config):
     intro = ("A DFlash block-diffusion draft model for speculative decoding, trained with dflash-launcher. "
              "It drafts a block of tokens in one forward pass from the target's hidden states; it has no "
              "embedding and no LM head of its own (it uses the target's).")
-    extra = {k: v for k, v in info.items() if k not in FIELDS and k not in (PROVENANCE, ACCEPTANCE_EVAL)}
+    extra = {k: v for k, v in info.items() if k not in FIELDS and k not in _SHOWN_ELSEWHERE}
     training = [(label, _training_value(key, info)) for key, label in FIELDS.items()]
     training += [(key, _format(value)) for key, value in sorted(extra.items())]
     provenance = [(key, _format(value)) for key, value in sorted((info.get(PROVENANCE) or {}).items())]

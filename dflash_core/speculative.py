@@ -190,14 +190,27 @@ def greedy_decode(target, input_ids, max_new_tokens: int, *, eos_token_id=None) 
     return tokens
 
 
+def pair_mismatches(drafter_config, target_config) -> list[str]:
+    """Why a drafter cannot read this target, one reason per fact (empty when it can): hidden size,
+    layers and layer ids, vocabulary. target_config: the target's HF config (a composite one's text
+    part is used); a config alone suffices, so this runs before any target weight loads."""
+    from .families import text_config
+    cfg, text = drafter_config, text_config(target_config)
+    found = []
+    if cfg.hidden_size != text.hidden_size:
+        found.append(f"hidden size: the drafter's {cfg.hidden_size}, the target's {text.hidden_size}")
+    if cfg.num_target_layers != text.num_hidden_layers:
+        found.append(f"layers: the drafter reads layer ids {cfg.target_layer_ids} of a {cfg.num_target_layers}-layer "
+                     f"target, this target has {text.num_hidden_layers} layers")
+    if cfg.vocab_size != text.vocab_size:
+        found.append(f"vocabulary: the drafter's {cfg.vocab_size} tokens, the target's {text.vocab_size}")
+    return found
+
+
 def _check_pair(target, drafter) -> None:
-    cfg, tcfg = drafter.config, target.config
-    if cfg.num_target_layers != tcfg.num_hidden_layers or cfg.hidden_size != tcfg.hidden_size:
-        raise ValueError(f"the drafter was built for a target with {cfg.num_target_layers} layers of width "
-                         f"{cfg.hidden_size}; this target has {tcfg.num_hidden_layers} of width {tcfg.hidden_size}")
-    if cfg.vocab_size != target.get_output_embeddings().weight.shape[0]:
-        raise ValueError(f"drafter vocab_size {cfg.vocab_size} != the target's "
-                         f"{target.get_output_embeddings().weight.shape[0]}")
+    found = pair_mismatches(drafter.config, target.config)
+    if found:
+        raise ValueError(f"the drafter does not fit this target: {'; '.join(found)}")
 
 
 def _target_step(target, ids, cache, layer_ids, **kwargs):

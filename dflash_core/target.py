@@ -31,19 +31,29 @@ from .families import (
     truncated_config,
 )
 from .packing import Documents, RecurrentRegrouping, attention_documents, block_diagonal_masks
+from .readers import check_safetensors, read_json
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
-__all__ = ["CapturingTarget", "TargetError", "load_target", "random_target"]
+__all__ = ["CapturingTarget", "TargetError", "check_target_files", "load_target", "random_target"]
 log = logging.getLogger("dflash")
 
 
-def _check_checkpoint_dir(path: Path) -> None:
+def check_target_files(path) -> None:
+    """A Hugging Face model directory whose config.json parses and whose safetensors files are whole
+    (their headers read, no tensor): a truncated or corrupt file is a BadFileError naming it, before
+    transformers reads it and says only `SafetensorError: invalid header length`."""
+    path = Path(path)
     if not path.is_dir():
         raise TargetError(f"target directory not found: {path}")
     if not (path / "config.json").is_file():
         raise TargetError(f"{path} has no config.json; expected a Hugging Face model directory")
+    read_json(path / "config.json")
     if not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
         raise TargetError(f"{path} has no weights (no *.safetensors or *.bin files)")
+    for index in path.glob("*.safetensors.index.json"):
+        read_json(index)
+    for weights in sorted(path.glob("*.safetensors")):
+        check_safetensors(weights)
 
 
 def _check_layer_ids(layer_ids, num_layers: int) -> list[int]:
@@ -185,7 +195,7 @@ def load_target(path, *, layer_ids, device="cpu", dtype=torch.bfloat16,
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
-    _check_checkpoint_dir(path)
+    check_target_files(path)
     config = AutoConfig.from_pretrained(path)
     family_of(config)  # an unsupported family fails here, before any weight is read
     layer_ids = _check_layer_ids(layer_ids, num_layers_of(config))

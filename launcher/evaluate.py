@@ -7,6 +7,7 @@ JSON result. One process, batch size 1; under torchrun only rank 0 works.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -14,10 +15,12 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from dflash_core.export import CONFIG_NAME
-from dflash_core.model_card import record_acceptance_length
+from dflash_core.model_card import read_card_info, record_acceptance_length
+from dflash_core.readers import read_json
 from launcher.config import ConfigError, compose_config, require
 from launcher.resolve import compute_dtype, dataset_paths, ensure_embedded_target, resolve_device, target_dir
 
+log = logging.getLogger("dflash")
 USAGE = """\
 Usage: python -m launcher.evaluate evaluate.drafter=DIR [key=value ...]
 Examples:
@@ -49,6 +52,41 @@ def load_drafter(path, *, device=None, dtype=None):
     return drafter.to(device=device, dtype=dtype).eval()
 
 
+def check_fits_target(ev: DictConfig, drafter_config, target_path: Path) -> None:
+    """Before any target weight loads: the drafter reads this target (hidden size, layers, vocabulary;
+    with evaluate.check_target, the target its card or run records). A drafter for another target
+    would run and report a meaningless tau."""
+    from transformers import AutoConfig
+
+    from dflash_core.model_card import other_target
+    from dflash_core.speculative import pair_mismatches
+    from launcher.export import run_facts
+
+    found, remedy = pair_mismatches(drafter_config, AutoConfig.from_pretrained(target_path)), ""
+    if ev.check_target and not found:
+        drafter = Path(ev.drafter)
+        recorded = read_card_info(drafter) if (drafter / CONFIG_NAME).is_file() else run_facts(drafter)
+        found = [other for other in [other_target(recorded, target_path)] if other]
+        remedy = " (or, if this is another copy of it, with evaluate.check_target=false)"
+    if found:
+        raise ConfigError(f"evaluate.drafter={str(ev.drafter)!r} does not fit target.path={str(target_path)!r}: "
+                          f"{'; '.join(found)}; evaluate it with the target it was trained for{remedy}")
+
+
+def check_output(ev: DictConfig) -> Path:
+    """Before any work: the result file, which replaces an earlier result only with evaluate.overwrite."""
+    output = Path(ev.output) if ev.output else Path(str(Path(ev.drafter).resolve()) + ".speculative.json")
+    if output.exists() and not ev.overwrite:
+        try:
+            earlier = read_json(output)
+            what = f" (an earlier result: tau {earlier.get('tau')}, target {earlier.get('target')})"
+        except (OSError, ValueError):
+            what = ""
+        raise ConfigError(f"evaluate.output={str(output)!r} already exists{what}; set evaluate.overwrite=true to "
+                          f"replace it, or choose another evaluate.output")
+    return output
+
+
 def load_prompts(paths, tokenizer, num_prompts: int, *, max_prompt_tokens: int,
                  chat_template_kwargs: dict | None = None) -> tuple[list[list[int]], dict]:
     """Token ids of the first num_prompts prompts that fit max_prompt_tokens: each conversation
@@ -71,6 +109,7 @@ def evaluate(cfg: DictConfig) -> dict:
     from dflash_core.data import load_tokenizer
     from dflash_core.prompts import stop_token_ids
     from dflash_core.speculative import greedy_decode, speculative_generate
+    from dflash_core.target import check_target_files
 
     ev = cfg.evaluate
     template_kwargs = OmegaConf.to_container(ev.chat_template_kwargs)
@@ -78,10 +117,12 @@ def evaluate(cfg: DictConfig) -> dict:
     dtype = compute_dtype(cfg.target.dtype, device)
     ensure_embedded_target(cfg, ev.seed)
     path = target_dir(cfg)
+    check_target_files(path)
+    drafter = load_drafter(ev.drafter, device=device, dtype=dtype)
+    check_fits_target(ev, drafter.config, path)
     hf_logging.disable_progress_bar()
     tokenizer = load_tokenizer(path)
     target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    drafter = load_drafter(ev.drafter, device=device, dtype=dtype)
     block_size = drafter.config.block_size
     max_prompt = target.config.max_position_embeddings - ev.max_new_tokens - block_size
     prompts, skipped = load_prompts(dataset_paths(ev.data, "evaluate.data"), tokenizer, ev.num_prompts,
@@ -151,17 +192,22 @@ def run(overrides: list[str]) -> int:
     cfg = compose_config(overrides, config_name="evaluate")
     require(cfg, cfg.evaluate.drafter is not None, "evaluate.drafter",
             "set it to an exported drafter dir or a checkpoints/step_XXXXXXXX dir")
-    summary = evaluate(cfg)
     ev = cfg.evaluate
-    output = Path(ev.output) if ev.output else Path(str(Path(ev.drafter).resolve()) + ".speculative.json")
+    output = check_output(ev)
+    summary = evaluate(cfg)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(summary, indent=2) + "\n")
     print(format_table(summary))
     print(f"wrote {output}")
     if (Path(ev.drafter) / CONFIG_NAME).is_file() and summary["tau"] is not None:   # an export: its card says it
-        record_acceptance_length(ev.drafter, summary["tau"], {
-            "prompts": summary["prompts"], "data": OmegaConf.to_container(ev.data) if OmegaConf.is_config(ev.data)
-            else ev.data, "max_new_tokens": ev.max_new_tokens, "lossless": summary["lossless"]})
+        earlier = read_card_info(ev.drafter).get("acceptance_length")
+        if earlier is None or ev.overwrite:
+            record_acceptance_length(ev.drafter, summary["tau"], {
+                "prompts": summary["prompts"], "data": OmegaConf.to_container(ev.data) if OmegaConf.is_config(ev.data)
+                else ev.data, "max_new_tokens": ev.max_new_tokens, "lossless": summary["lossless"]})
+        else:
+            log.warning("the model card of %s keeps its earlier acceptance length %.3f (evaluate.overwrite=true "
+                        "replaces it)", ev.drafter, earlier)
     return 0
 
 

@@ -7,6 +7,7 @@ import shlex
 from pathlib import Path
 
 from dflash_core.export import export_drafter
+from dflash_core.model_card import TARGET_IDENTITY, target_identity
 from dflash_core.model import DFlashDrafter, DrafterConfig
 from launcher.config import ConfigError, compose_config
 from launcher.run_io import checkpoint
@@ -26,8 +27,9 @@ def export_checkpoint(path: Path, out: Path, *, overwrite: bool = False, card: d
 
 
 def run_facts(checkpoint_path: Path) -> dict:
-    """The model card's facts that the checkpoint's run dir records: target and data (config.yaml),
-    and the versions this export is written with."""
+    """The model card's facts that the checkpoint's run dir records: target (config.yaml, and the
+    target's identity when its directory is found here) and data, and the versions this export is
+    written with."""
     import torch
     import transformers
     from omegaconf import OmegaConf
@@ -37,6 +39,8 @@ def run_facts(checkpoint_path: Path) -> dict:
     if config.is_file():
         cfg = OmegaConf.load(config)
         facts["target"] = OmegaConf.select(cfg, "target.path")
+        if facts["target"] and (Path(facts["target"]) / "config.json").is_file():
+            facts[TARGET_IDENTITY] = target_identity(facts["target"])
         data = OmegaConf.select(cfg, "data.paths")
         facts["data"] = OmegaConf.to_container(data) if OmegaConf.is_config(data) else data
     return facts
@@ -45,9 +49,9 @@ def run_facts(checkpoint_path: Path) -> dict:
 def run(overrides: list[str]) -> int:
     cfg = compose_config(overrides, config_name="export")
     checkpoint_dir = Path(cfg.export.checkpoint)
-    if not (checkpoint_dir / "meta.json").is_file():
-        raise ConfigError(f"export.checkpoint={str(checkpoint_dir)!r}: not a complete checkpoint (no meta.json); "
-                          f"pass a run's checkpoints/step_XXXXXXXX directory")
+    problem = checkpoint.why_incomplete(checkpoint_dir)
+    if problem:
+        raise ConfigError(f"export.checkpoint={str(checkpoint_dir)!r}: {problem}")
     out = Path(cfg.export.out) if cfg.export.out else checkpoint_dir.parent.parent / f"export_{checkpoint_dir.name}"
     command = shlex.join(["python", "-m", "launcher.export", *overrides])
     print(export_checkpoint(checkpoint_dir, out, overwrite=cfg.export.overwrite, card={"command": command}))

@@ -1,4 +1,5 @@
-"""Answer a dataset's prompts with the target itself: `torchrun ... -m launcher.regenerate key=value ...`.
+"""Answer a dataset's prompts with the target itself: `torchrun ... -m launcher.regenerate key=value ...`
+(`python -m launcher.regenerate ...` without torchrun: one process).
 
 Drafters trained on the target's own answers accept more of its tokens, so the usual recipe is
 to regenerate the assistant turns of a chat set with the target before training. Every rank is
@@ -32,6 +33,7 @@ from launcher.run_io.rundir import log, setup_logging
 
 USAGE = """\
 Usage: torchrun --standalone --nproc-per-node N -m launcher.regenerate regenerate.output=FILE [key=value ...]
+       python -m launcher.regenerate regenerate.output=FILE [key=value ...]      # one process
 Example:
   torchrun --standalone --nproc-per-node 8 -m launcher.regenerate target=qwen3_8b target.path=/models/Qwen3-8B \\
       regenerate.input=/data/prompts.jsonl regenerate.output=/data/qwen3-8b-regen.jsonl"""
@@ -74,6 +76,25 @@ def tokenize_prompts(cfg: DictConfig, tokenizer, prompts: list[Prompt]) -> tuple
     kept = encode_prompts(tokenizer, prompts, max_tokens=r.max_prompt_length,
                           chat_template_kwargs=_template_kwargs(cfg), on_bad_line=r.on_bad_line, stats=stats)
     return kept, {"too_long": stats["too_long"], "unrenderable": stats.get("skipped_unrenderable", 0)}
+
+
+_INPUT_SKIPS = {"bad_lines_skipped": "malformed", "no_conversation": "with no turns (preformatted text)",
+                "no_prompt": "with nothing to answer"}   # dflash_core.prompts.iter_prompts' counts
+
+
+def every_prompt_skipped(cfg: DictConfig, stats: dict, shares: list[dict]) -> ConfigError:
+    """The error when no prompt is left to answer: how many were read, and why each was skipped."""
+    r = cfg.regenerate
+    too_long, unrenderable = (sum(share[key] for share in shares) for key in ("too_long", "unrenderable"))
+    skipped = [f"{count} {why}" for count, why in (
+        (too_long, f"longer than regenerate.max_prompt_length={r.max_prompt_length} tokens"),
+        (unrenderable, "the chat template cannot render")) if count]
+    without = [f"{stats[key]} {why}" for key, why in _INPUT_SKIPS.items() if stats.get(key)]
+    read = f"{stats['prompts']} prompts read" + (f": {', '.join(skipped)}" if skipped else "")
+    read += f"; records skipped: {', '.join(without)}" if without else ""
+    remedy = "; raise regenerate.max_prompt_length" if too_long else ""
+    return ConfigError(f"regenerate.input={r.input!r}: every prompt was skipped, none is left to answer ({read}); "
+                       f"no output was written{remedy}")
 
 
 # ----------------------------------------------------------------------------- generation
@@ -198,12 +219,15 @@ def run(overrides: list[str]) -> int:
     from transformers import AutoModelForCausalLM
 
     from dflash_core.data import load_tokenizer
+    from dflash_core.target import check_target_files
 
     device = resolve_device(r.device, "regenerate.device", int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    # gloo for everything: the ranks exchange only a barrier and a few small objects.
-    dist.init_process_group("gloo", timeout=timedelta(seconds=r.timeout_s))
+    # gloo for everything: the ranks exchange only a barrier and a few small objects. Started
+    # without torchrun (no RANK), the job is one process: a group of one, over an in-memory store.
+    single = {} if "RANK" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+    dist.init_process_group("gloo", timeout=timedelta(seconds=r.timeout_s), **single)
     output = Path(r.output).resolve()
     parts = output.with_name(output.name + ".parts")
     if rank == 0:
@@ -213,16 +237,23 @@ def run(overrides: list[str]) -> int:
 
     tokenizer = load_tokenizer(Path(r.tokenizer) if r.tokenizer else target_dir(cfg))
     prompts, stats = load_prompts(cfg)
+    part = parts / f"rank{rank:05d}.jsonl"
+    done = read_part(part)
+    mine, dropped = tokenize_prompts(cfg, tokenizer, [p for p in prompts[rank::world] if p.index not in done])
+    shares = [None] * world
+    dist.all_gather_object(shares, {"left": len(mine) + len(done), **dropped})
+    if not sum(share["left"] for share in shares):   # on every rank alike, before the model loads
+        if rank == 0:
+            shutil.rmtree(parts, ignore_errors=True)
+        raise every_prompt_skipped(cfg, stats, shares)
+
+    check_target_files(target_dir(cfg))
     model = AutoModelForCausalLM.from_pretrained(target_dir(cfg), dtype=compute_dtype(cfg.target.dtype, device))
     model.requires_grad_(False).eval().to(device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stop_ids = stop_token_ids(tokenizer, model.generation_config, _template_kwargs(cfg))
     gen_config = generation_config(cfg, stop_ids, pad_id)
     torch.manual_seed(r.seed + rank)
-
-    part = parts / f"rank{rank:05d}.jsonl"
-    done = read_part(part)
-    mine, dropped = tokenize_prompts(cfg, tokenizer, [p for p in prompts[rank::world] if p.index not in done])
     # Longest first: batches of similar lengths pad little, and running out of memory shows up
     # in the first batch rather than hours in.
     mine.sort(key=lambda p: -len(p.token_ids))

@@ -18,6 +18,7 @@ from dflash_core.attention import FLEX_BACKENDS, resolve_backend
 from dflash_core.families import text_config
 from dflash_core.model import DrafterConfig
 from dflash_core.objective import default_gamma
+from dflash_core.target import check_target_files
 from dflash_core.tiny import BUNDLED_DATASET, first_unused_token_id
 from launcher.config import ConfigError
 from launcher.distributed.schedule import Schedule
@@ -234,6 +235,8 @@ def resolve(cfg: DictConfig, topology: Topology, device: torch.device) -> Job:
     """Everything the roles derive from the config and the target checkpoint, once."""
     from transformers import AutoConfig
     path = target_dir(cfg)
+    if not cfg.target.random_weights:   # every rank names a truncated or corrupt file, before anything loads
+        check_target_files(path)
     hf_config = AutoConfig.from_pretrained(path)
     dcfg = drafter_config(cfg, hf_config)
     backend = resolve_backend(cfg.drafter.backend, device)

@@ -197,6 +197,8 @@ class EvaluateSettings:
     check_lossless: bool = knob(True, "also decode greedily with the target alone and compare token for token")
     chat_template_kwargs: dict = knob({}, "passed to the chat template, e.g. {enable_thinking: false} (as in training)")
     output: Optional[str] = knob(None, "JSON result path; null: <drafter dir>.speculative.json", nonempty=True)
+    overwrite: bool = knob(False, "replace an existing output, and the acceptance length an export's card records")
+    check_target: bool = knob(True, "refuse a drafter whose card or run records another target (false: e.g. a copy)")
     seed: int = knob(0, "seed of the tiny target build when it is missing (match the run's run.seed)", ge=0)
 
 

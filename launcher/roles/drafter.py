@@ -12,6 +12,7 @@ import torch
 import dflash_core
 from dflash_core.compile import compile_count, report
 from dflash_core.export import export_drafter
+from dflash_core.model_card import TARGET_IDENTITY, target_identity
 from launcher.context import Context
 from launcher.distributed.channel import Receiver
 from launcher.distributed.isolation import CompileShare, source_digest
@@ -72,7 +73,8 @@ def _warm_up(ctx: Context, trainer: DrafterTrainer) -> float | None:
 
 def _card(ctx: Context, trainer: DrafterTrainer, last_eval: dict | None) -> dict:
     """The export's model card facts."""
-    return {"target": str(ctx.job.target.path), "data": [str(p) for p in ctx.cfg.data.paths],
+    return {"target": str(ctx.job.target.path), TARGET_IDENTITY: target_identity(ctx.job.target.path),
+            "data": [str(p) for p in ctx.cfg.data.paths],
             "steps": ctx.cfg.train.steps, "tokens_seen": trainer.tokens_seen,
             "heldout_tau": last_eval["tau"] if last_eval else None,
             "command": ctx.provenance["launcher_command"] or ctx.provenance["command"],

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from dflash_core.readers import load_torch, read_json
+
 log = logging.getLogger("dflash")
 _NAME = re.compile(r"^step_(\d{8})$")
 # What a writer names its files before the rename that publishes them: .tmp_step_XXXXXXXX_<pid> (a checkpoint),
@@ -89,7 +91,7 @@ def set_rng_state(state: dict) -> None:
 def read_lineage(root: Path) -> dict | None:
     """{"id", "parent", "started"} of the lineage writing into `root`, or None."""
     path = Path(root) / LINEAGE_FILE
-    return json.loads(path.read_text()) if path.is_file() else None
+    return read_json(path) if path.is_file() else None
 
 
 def start_lineage(root: Path, parent: str | None = None, **about) -> str:
@@ -109,7 +111,7 @@ def _lineage_id(root: Path) -> str:
 
 
 def read_meta(path: Path) -> dict:
-    return json.loads((Path(path) / "meta.json").read_text())
+    return read_json(Path(path) / "meta.json")
 
 
 def complete(root: Path) -> list[Path]:
@@ -234,11 +236,44 @@ def load_latest(root: Path) -> tuple[Path, int, dict] | None:
     return None
 
 
-def load(path: Path) -> tuple[int, dict]:
+def why_incomplete(path: Path) -> str:
+    """Why `path` is not a complete checkpoint and what to do ("" when it is one), for an error message."""
     path = Path(path)
-    meta = read_meta(path)
-    # mmap: checking a large checkpoint does not read it all; a torn zip still fails here.
-    state = torch.load(path / "state.pt", map_location="cpu", weights_only=False, mmap=True)
+    if (path / "meta.json").is_file():
+        return ""
+    pruned = _NAME.match(path.name) and complete(path.parent)
+    if not path.exists():
+        return (f"no such directory: {_pruned_by_its_job(path, 'it may have removed this one')}" if pruned
+                else "no such directory; pass a run's checkpoints/step_XXXXXXXX directory")
+    if pruned:  # saves appear whole (a rename): a step directory without its meta.json is one being removed
+        return f"not a complete checkpoint (no meta.json): {_pruned_by_its_job(path, 'it is removing this one')}"
+    return "not a complete checkpoint (no meta.json); pass a run's checkpoints/step_XXXXXXXX directory"
+
+
+def _pruned_by_its_job(path: Path, what: str) -> str:
+    newest = complete(path.parent)
+    newest = f"; the newest complete one now is {newest[-1].name}" if newest else ""
+    return (f"the job writing {path.parent} removes its older checkpoints as it saves new ones "
+            f"(it keeps run.keep_checkpoints), and {what}{newest}")
+
+
+class CheckpointGoneError(FileNotFoundError):
+    """A checkpoint removed while it was read: its job pruned it."""
+
+
+def load(path: Path) -> tuple[int, dict]:
+    """(step, state) of the complete checkpoint `path`; one that disappears meanwhile (the running
+    job's pruning) is a CheckpointGoneError, an unreadable file a BadFileError naming it."""
+    path = Path(path)
+    try:
+        meta = read_meta(path)
+        # mmap: checking a large checkpoint does not read it all; a torn zip still fails here.
+        state = load_torch(path / "state.pt", map_location="cpu", weights_only=False, mmap=True)
+    except FileNotFoundError as exc:
+        if (path / "meta.json").is_file():
+            raise  # state.pt alone is missing: not a removal in progress (that takes meta.json too)
+        raise CheckpointGoneError(f"checkpoint {path} was removed while being read: "
+                                  f"{_pruned_by_its_job(path, 'it removed this one')}") from exc
     if state.get("step") != meta["step"]:
         raise ValueError(f"{path}: state step {state.get('step')} != meta step {meta['step']}")
     return meta["step"], state

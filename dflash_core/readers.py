@@ -1,0 +1,95 @@
+"""Every model, config and checkpoint file is read through here: a target's or an export's
+config.json and safetensors, a checkpoint's meta.json and state.pt. A file that is there but cannot
+be used (cut short by an interrupted copy or write, corrupt, or not what it should be) is a
+BadFileError naming the file, its size and what is wrong with it; the libraries' own errors
+(`SafetensorError: invalid header length`, `PytorchStreamReader failed`, a JSONDecodeError) name
+neither. A missing file stays a FileNotFoundError (it names the path), so callers can tell "gone"
+from "broken".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+
+class BadFileError(ValueError):
+    """A file that exists but cannot be used; the message names it and says what is wrong."""
+
+
+def _size(path: Path) -> str:
+    try:
+        return f"{path.stat().st_size:,} bytes"
+    except OSError:
+        return "size unknown"
+
+
+def bad_file(path, problem: str, hint: str = "") -> BadFileError:
+    """The error for `path`: `problem` says what is wrong, `hint` what to do (default: the usual cause)."""
+    path = Path(path)
+    hint = hint or "truncated or corrupt: an interrupted copy, download or write; copy or write it again"
+    return BadFileError(f"{path}: {problem} ({_size(path)}; {hint})")
+
+
+def read_json(path) -> dict:
+    """The JSON object in `path` (a config.json, a meta.json)."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise bad_file(path, f"not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise bad_file(path, f"holds a JSON {type(data).__name__}, not an object",
+                       "not the file it should be")
+    return data
+
+
+@contextlib.contextmanager
+def open_safetensors(path):
+    """safetensors' safe_open handle of `path` (its header is checked on opening, the tensors are
+    read on demand)."""
+    path = Path(path)
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except SafetensorError as exc:
+        raise bad_file(path, f"not a readable safetensors file: {str(exc).removeprefix('Error while ')}") from None
+    with handle as f:
+        yield f
+
+
+def load_safetensors(path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file."""
+    with open_safetensors(path) as f:
+        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (a safe_open handle is not a dict)
+
+
+def check_safetensors(path) -> None:
+    """Open only the header of a safetensors file: catches a truncated or corrupt file (the header
+    records the byte length of the tensor data) without reading any tensor."""
+    with open_safetensors(path):
+        pass
+
+
+def load_torch(path, **kwargs):
+    """torch.load(path, **kwargs), the file named in any failure but a missing or unreadable one."""
+    path = Path(path)
+    try:
+        return torch.load(path, **kwargs)
+    except (FileNotFoundError, PermissionError, IsADirectoryError):
+        raise
+    except Exception as exc:  # noqa: BLE001 (torch.load raises RuntimeError, EOFError, OSError, pickle errors...)
+        if path.stat().st_size == 0:
+            raise bad_file(path, "an empty file, not a torch file") from None
+        raise bad_file(path, f"not a readable torch file ({type(exc).__name__}: {_first_sentence(exc)})") from None
+
+
+def _first_sentence(exc: BaseException) -> str:
+    """PytorchStreamReader's message goes on, on the same line, about miniz and where to report it."""
+    text = str(exc).strip()
+    return re.split(r"(?<=\w)\. ", text.splitlines()[0], maxsplit=1)[0] if text else ""
