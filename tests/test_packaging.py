@@ -2,8 +2,9 @@
 build system and the tools' settings, and every console script names a function that exists."""
 import configparser
 import importlib
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -18,7 +19,8 @@ def test_setup_cfg_declares_the_package_and_pyproject_only_builds_it():
     cfg = _setup_cfg()
     assert cfg["metadata"]["name"] == "dflash-launcher" and cfg["metadata"]["version"]
     requires = [line for line in cfg["options"]["install_requires"].splitlines() if line.strip()]
-    assert any(line.startswith("torch") for line in requires) and any(line.startswith("hydra-core") for line in requires)
+    assert any(line.startswith("torch") for line in requires)
+    assert any(line.startswith("hydra-core") for line in requires)
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     assert "project" not in pyproject, "the package is declared in setup.cfg; pyproject.toml must not redeclare it"
     assert pyproject["build-system"]["build-backend"] == "setuptools.build_meta"

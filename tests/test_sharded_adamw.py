@@ -133,7 +133,8 @@ def test_one_rank_is_torch_adamw_on_the_summed_gradients(world_of_one, micro_bat
     for index, state in adamw.state_dict()["state"].items():
         assert float(saved["state"][index]["step"]) == float(state["step"]) == 2.0
         for key in ("exp_avg", "exp_avg_sq"):
-            _assert_as_close_to_exact(saved["state"][index][key], state[key], exact_state[index][key], f"{key}[{index}]")
+            _assert_as_close_to_exact(saved["state"][index][key], state[key], exact_state[index][key],
+                                      f"{key}[{index}]")
     base = net.layers[0][0].weight.untyped_storage().data_ptr()
     assert net.layers[0][2].weight.untyped_storage().data_ptr() == base
 
