@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from dflash_core.export import CONFIG_NAME
 from dflash_core.model_card import record_acceptance_length
 from launcher.config import ConfigError, compose_config, require
+from launcher.serving.acceptance import per_position_from_steps, prompt_row, summarize
 from launcher.resolve import compute_dtype, dataset_paths, ensure_embedded_target, resolve_device, target_dir
 
 USAGE = """\
@@ -93,36 +94,21 @@ def evaluate(cfg: DictConfig) -> dict:
         started = time.perf_counter()
         result = speculative_generate(target, drafter, ids, max_new_tokens=ev.max_new_tokens, eos_token_id=eos)
         spec_s += time.perf_counter() - started
-        row = {"prompt_tokens": len(ids), "generated_tokens": len(result.tokens), "tau": result.tau,
-               "accepted": result.accepted, "target_forwards": result.target_forwards, "tokens": result.tokens}
+        reference = None
         if ev.check_lossless:
             started = time.perf_counter()
             reference = greedy_decode(target, ids, ev.max_new_tokens, eos_token_id=eos)
             greedy_s += time.perf_counter() - started
-            row["lossless"] = reference == result.tokens
-            if not row["lossless"]:
-                row["first_mismatch"] = next((i for i, (a, b) in enumerate(zip(reference, result.tokens)) if a != b),
-                                             min(len(reference), len(result.tokens)))
-        per_prompt.append(row)
+        row = prompt_row(ids, result.tokens, len(result.accepted),
+                         per_position_from_steps(result.accepted, block_size), reference)
+        per_prompt.append({**row, "accepted": result.accepted})
+    return {"engine": "hf", "drafter": str(ev.drafter), "target": str(path), "device": str(device),
+            "dtype": str(dtype).removeprefix("torch."), "skipped": skipped, "max_new_tokens": ev.max_new_tokens,
+            **summarize(per_prompt, block_size, speculative_s=spec_s, greedy_s=greedy_s)}
 
-    # Step-weighted over all prompts: every verify step counts once, as in serving benchmarks.
-    accepted = [a for row in per_prompt for a in row["accepted"]]
-    histogram = {str(k): 0 for k in range(1, block_size + 1)}
-    for a in accepted:
-        histogram[str(a + 1)] += 1
-    generated = sum(row["generated_tokens"] for row in per_prompt)
-    forwards = sum(row["target_forwards"] for row in per_prompt)
-    return {
-        "drafter": str(ev.drafter), "target": str(path), "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."),
-        "prompts": len(prompts), "skipped": skipped, "block_size": block_size, "max_new_tokens": ev.max_new_tokens,
-        "tau": sum(a + 1 for a in accepted) / len(accepted) if accepted else None,
-        "histogram": histogram, "verify_steps": len(accepted), "generated_tokens": generated,
-        "target_forwards": forwards, "tokens_per_target_forward": generated / forwards,
-        "lossless": all(row["lossless"] for row in per_prompt) if ev.check_lossless else None,
-        "speculative_s": spec_s, "greedy_s": greedy_s if ev.check_lossless else None,
-        "per_prompt": per_prompt,
-    }
+
+def _rate(summary: dict, key: str) -> str:
+    return "n/a" if summary[key] is None else f"{summary[key]:.1f} tokens/s"
 
 
 def format_table(summary: dict) -> str:
@@ -132,14 +118,17 @@ def format_table(summary: dict) -> str:
         same = sum(row["lossless"] for row in summary["per_prompt"])
         lossless += f" ({same}/{summary['prompts']} prompts identical to greedy decoding)"
     rows = [
+        ("engine", summary["engine"]),
         ("prompts", str(summary["prompts"])),
         ("block size", str(summary["block_size"])),
         ("mean tau (accepted + 1)", tau),
+        ("accepted per position", "  ".join(str(n) for n in summary["per_position"])),
         ("acceptance histogram", "  ".join(f"{k}:{n}" for k, n in summary["histogram"].items())),
         ("tokens per target forward", f"{summary['tokens_per_target_forward']:.3f}"),
         ("generated tokens", str(summary["generated_tokens"])),
         ("lossless", lossless),
-        ("speculative decoding time", f"{summary['speculative_s']:.1f} s"),
+        ("speculative decoding", f"{summary['speculative_s']:.1f} s, {_rate(summary, 'speculative_tokens_per_s')}"),
+        ("plain greedy decoding", _rate(summary, "greedy_tokens_per_s")),
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
@@ -151,7 +140,11 @@ def run(overrides: list[str]) -> int:
     cfg = compose_config(overrides, config_name="evaluate")
     require(cfg, cfg.evaluate.drafter is not None, "evaluate.drafter",
             "set it to an exported drafter dir or a checkpoints/step_XXXXXXXX dir")
-    summary = evaluate(cfg)
+    if cfg.evaluate.engine == "vllm":
+        from launcher.serving.served_evaluate import evaluate_served
+        summary = evaluate_served(cfg)
+    else:
+        summary = evaluate(cfg)
     ev = cfg.evaluate
     output = Path(ev.output) if ev.output else Path(str(Path(ev.drafter).resolve()) + ".speculative.json")
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -160,8 +153,9 @@ def run(overrides: list[str]) -> int:
     print(f"wrote {output}")
     if (Path(ev.drafter) / CONFIG_NAME).is_file() and summary["tau"] is not None:   # an export: its card says it
         record_acceptance_length(ev.drafter, summary["tau"], {
-            "prompts": summary["prompts"], "data": OmegaConf.to_container(ev.data) if OmegaConf.is_config(ev.data)
-            else ev.data, "max_new_tokens": ev.max_new_tokens, "lossless": summary["lossless"]})
+            "engine": summary["engine"], "prompts": summary["prompts"],
+            "data": OmegaConf.to_container(ev.data) if OmegaConf.is_config(ev.data) else ev.data,
+            "max_new_tokens": ev.max_new_tokens, "lossless": summary["lossless"]})
     return 0
 
 
