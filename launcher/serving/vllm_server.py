@@ -30,7 +30,7 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # `vllm serve`'s OpenAI-co
 _PR_SET_PDEATHSIG = 1
 
 
-class ServerError(RuntimeError):
+class ServerError(OSError):
     """vLLM could not be started, died, or answered with an error; the message says which and why."""
 
 
@@ -145,6 +145,7 @@ class VllmServer:
                         *([] if speculative is None else ["--speculative-config", json.dumps(speculative)]),
                         *map(str, extra_args)]
         self.startup_timeout_s = startup_timeout_s
+        self.temporary_log = log_path is None  # removed after a clean exit, kept when an error points at it
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
         self.process: subprocess.Popen | None = None
         self.url = None
@@ -196,5 +197,7 @@ class VllmServer:
     def __enter__(self) -> VllmClient:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         self.stop()
+        if self.temporary_log and exc_type is None:
+            self.log_path.unlink(missing_ok=True)
