@@ -84,6 +84,13 @@ def served_qwen3(tiny_target_dir, tmp_path_factory):
     served.require_vllm_env()
     root = tmp_path_factory.mktemp("served-qwen3")
     export = Path(os.environ.get("DFLASH_TEST_EXPORT") or served.fit_export(tiny_target_dir, root / "export"))
-    with served.serve(tiny_target_dir, export, root / "speculative.log") as speculative, \
-            served.serve(tiny_target_dir, None, root / "plain.log") as plain:
+    servers = [served.serve(tiny_target_dir, export, root / "speculative.log"),
+               served.serve(tiny_target_dir, None, root / "plain.log")]
+    try:
+        for server in servers:   # both load side by side
+            server.launch()
+        speculative, plain = (server.wait_ready() for server in servers)
         yield served.Served(tiny_target_dir, export, speculative, plain)
+    finally:
+        for server in servers:
+            server.stop()

@@ -16,9 +16,12 @@ import torch
 from launcher.serving.vllm_server import VENV, VllmClient, VllmServer
 
 BLOCK_SIZE = 8
-NUM_PROMPTS = 8
-MAX_NEW_TOKENS = 48
-FIT_STEPS = 120  # enough for most but not all draft positions to be accepted (a spread of acceptances)
+# launcher.evaluate's defaults. The drafter is fitted to the answers of the first half only: on
+# those it drafts nearly whole blocks, on the rest little, so every acceptance length occurs.
+NUM_PROMPTS = 16
+FIT_PROMPTS = 8
+MAX_NEW_TOKENS = 64
+FIT_STEPS = 120
 # `make vllm-env` not run: fail, naming the command. Only a developer's explicit opt-out skips.
 ALLOW_SKIP = "DFLASH_SKIP_VLLM"
 
@@ -63,7 +66,7 @@ def _own_answers(target, prompts, eos) -> tuple[torch.Tensor, torch.Tensor, torc
 
 def fit_export(target_dir: Path, out_dir: Path, *, dtype=torch.float32) -> Path:
     """Fit a 2-layer block-8 drafter (layers [0, 2], as `make train`'s) to the target's own
-    answers of the evaluation prompts and export it to out_dir."""
+    answers of the first FIT_PROMPTS evaluation prompts and export it to out_dir."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash_core.export import export_drafter
@@ -79,7 +82,7 @@ def fit_export(target_dir: Path, out_dir: Path, *, dtype=torch.float32) -> Path:
     cfg = DrafterConfig.from_target(target.config, num_layers=2, block_size=BLOCK_SIZE, target_layer_ids=[0, 2],
                                     mask_token_id=first_unused_token_id(tokenizer, target.config))
     eos = stop_token_ids(tokenizer, target.generation_config)
-    input_ids, loss_mask, hidden_states = _own_answers(target, evaluation_prompts(target_dir), eos)
+    input_ids, loss_mask, hidden_states = _own_answers(target, evaluation_prompts(target_dir, FIT_PROMPTS), eos)
     features = torch.cat([hidden_states[i + 1] for i in cfg.target_layer_ids], dim=-1)
     drafter, head = DFlashDrafter(cfg, seed=0), head_from_target(target)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3, weight_decay=0.0)

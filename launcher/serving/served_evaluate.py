@@ -47,7 +47,7 @@ def _client(endpoint, target: Path, speculative: dict | None, ev, dtype: str, ma
         yield client
         return
     log.info("starting vllm serve %s (%s)", target, "speculative" if speculative else "plain")
-    with VllmServer(target, speculative=speculative, dtype=dtype, max_model_len=max_model_len,
+    with VllmServer(target.resolve(), speculative=speculative, dtype=dtype, max_model_len=max_model_len,
                     memory_fraction=ev.vllm_memory_fraction, extra_args=tuple(ev.vllm_args),
                     python=ev.vllm_python,
                     startup_timeout_s=ev.vllm_startup_timeout_s) as client:

@@ -148,6 +148,7 @@ class VllmServer:
         self.temporary_log = log_path is None  # removed after a clean exit, kept when an error points at it
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
         self.process: subprocess.Popen | None = None
+        self._deadline = 0.0
         self.url = None
 
     def log_tail(self, lines: int = 40) -> str:
@@ -156,7 +157,9 @@ class VllmServer:
         except OSError:
             return "(no log)"
 
-    def start(self) -> VllmClient:
+    def launch(self) -> None:
+        """Start the process and return at once (wait_ready waits for it): several servers
+        launched before any is waited for load side by side."""
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         # Local paths only: a tiny target or an export must never be looked up on a hub.
@@ -165,20 +168,28 @@ class VllmServer:
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen([*self.command, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent)
+        self._deadline = time.monotonic() + self.startup_timeout_s
+
+    def wait_ready(self) -> VllmClient:
+        """Wait for /health; an exit or the start-up timeout stops the server and raises with
+        the tail of its log."""
         client = VllmClient(self.url)
-        deadline = time.monotonic() + self.startup_timeout_s
         while not client.healthy():
             if self.process.poll() is not None:
                 code = self.process.returncode
                 self.stop()
                 raise ServerError(f"vllm serve exited with code {code} before it was ready "
                                   f"(log {self.log_path}):\n{self.log_tail()}")
-            if time.monotonic() > deadline:
+            if time.monotonic() > self._deadline:
                 self.stop()
                 raise ServerError(f"vllm serve was not ready within {self.startup_timeout_s:.0f} s "
                                   f"(log {self.log_path}):\n{self.log_tail()}")
             time.sleep(1.0)
         return client
+
+    def start(self) -> VllmClient:
+        self.launch()
+        return self.wait_ready()
 
     def stop(self, grace_s: float = 30.0) -> None:
         """SIGTERM to the server's whole process group (API server and engine core), SIGKILL
