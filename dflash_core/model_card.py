@@ -18,20 +18,23 @@ CARD_NAME = "README.md"
 _INFO_KEY = "dflash_training"
 
 # The training facts a card shows, in this order. Keys of the info dict not named here (and not
-# "provenance", "acceptance_eval" or "target_identity") are shown after them under their own names.
+# "provenance", an acceptance's "..._eval" or "target_identity") are shown after them under their own names.
 FIELDS = {
     "target": "Target model",
     "data": "Training data",
     "steps": "Optimiser steps",
     "tokens_seen": "Training tokens seen",
-    "heldout_tau": "Held-out tau (acceptance length simulated on held-out data during training)",
-    "acceptance_length": "Acceptance length (real speculative decoding, launcher.evaluate)",
+    "heldout_tau": "Held-out tau (speculative decoding of held-out data simulated during training)",
+    "heldout_anchor_tau": "Held-out tau per anchor (its mean over every position of held-out data)",
+    "acceptance_length": "Acceptance length (real speculative decoding, launcher.evaluate, engine hf)",
+    "served_acceptance_length": "Served acceptance length (vLLM's counters, launcher.evaluate evaluate.engine=vllm)",
     "command": "Command",
 }
+# The card key of each evaluation engine's acceptance length; how it was measured is under <key>_eval.
+ACCEPTANCE_KEYS = {"hf": "acceptance_length", "vllm": "served_acceptance_length"}
 PROVENANCE = "provenance"          # dict: code version, torch / transformers / CUDA / NCCL versions, ...
-ACCEPTANCE_EVAL = "acceptance_eval"  # dict: how acceptance_length was measured (prompts, data, ...)
 TARGET_IDENTITY = "target_identity"  # dict: the target's model_type and config.json digest (target_identity())
-_SHOWN_ELSEWHERE = (PROVENANCE, ACCEPTANCE_EVAL, TARGET_IDENTITY)  # or not at all: the identity is for checks
+_SHOWN_ELSEWHERE = (PROVENANCE, TARGET_IDENTITY, *(f"{key}_eval" for key in ACCEPTANCE_KEYS.values()))
 # config.json keys that differ between copies of one model (who saved it, with what, in which dtype).
 _COPY_KEYS = ("_name_or_path", "transformers_version", "torch_dtype", "dtype")
 
@@ -61,14 +64,33 @@ def read_card_info(out_dir):
     return {}
 
 
-def record_acceptance_length(out_dir, acceptance_length, details=None):
-    """Add the real acceptance length (mean accepted + 1 per verify step, from speculative
+def acceptance_key(engine: str) -> str:
+    """The card key of an evaluation engine's acceptance length (hf | vllm)."""
+    return ACCEPTANCE_KEYS[engine]
+
+
+def record_acceptance_length(out_dir, acceptance_length, details=None, engine="hf"):
+    """Add an engine's real acceptance length (mean accepted + 1 per verify step, from speculative
     decoding with the target) to an existing export's card, keeping everything else it says.
     `details`: how it was measured, e.g. {"prompts": 64, "data": [...], "max_new_tokens": 256}."""
-    info = read_card_info(out_dir)
-    info["acceptance_length"] = acceptance_length
-    info[ACCEPTANCE_EVAL] = dict(details or {})
+    info, key = read_card_info(out_dir), acceptance_key(engine)
+    info[key] = acceptance_length
+    info[f"{key}_eval"] = dict(details or {})
     write_model_card(out_dir, info)
+
+
+def acceptance_comparison(info) -> str:
+    """The acceptance lengths a card holds side by side: what training simulated on held-out data, what
+    real decoding gave (HF) and what vLLM served, each against real decoding's."""
+    real = info.get(ACCEPTANCE_KEYS["hf"])
+    rows = [(FIELDS[key], info.get(key)) for key in ("heldout_tau", ACCEPTANCE_KEYS["hf"], ACCEPTANCE_KEYS["vllm"])]
+    width = max(len(label) for label, _ in rows)
+    lines = ["acceptance length (tau), side by side:"]
+    for label, value in rows:
+        versus = f"  ({100 * (value / real - 1):+.1f}% against real decoding)" if value and real and value != real \
+            else ""
+        lines.append(f"  {label:<{width}}  {'not measured' if value is None else f'{value:.3f}'}{versus}")
+    return "\n".join(lines)
 
 
 def target_identity(target_dir):
@@ -120,10 +142,11 @@ def render_model_card(info, config):
 
 def _training_value(key, info):
     value = info.get(key)
-    if key == "acceptance_length" and value is None:
-        return "not measured yet (`python -m launcher.evaluate evaluate.drafter=<this directory>`)"
-    if key == "acceptance_length" and info.get(ACCEPTANCE_EVAL):
-        how = ", ".join(f"{k} {_format(v)}" for k, v in sorted(info[ACCEPTANCE_EVAL].items()))
+    if key in ACCEPTANCE_KEYS.values() and value is None:
+        engine = next(engine for engine, k in ACCEPTANCE_KEYS.items() if k == key)
+        return f"not measured yet (`python -m launcher.evaluate evaluate.drafter=<this directory> evaluate.engine={engine}`)"
+    if key in ACCEPTANCE_KEYS.values() and info.get(f"{key}_eval"):
+        how = ", ".join(f"{k} {_format(v)}" for k, v in sorted(info[f"{key}_eval"].items()))
         return f"{_format(value)} ({how})"
     if key == "command" and value:
         command = shlex.join(str(arg) for arg in value) if isinstance(value, (list, tuple)) else value

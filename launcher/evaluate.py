@@ -15,9 +15,10 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from dflash_core.export import CONFIG_NAME
-from dflash_core.model_card import read_card_info, record_acceptance_length
+from dflash_core.model_card import acceptance_comparison, acceptance_key, read_card_info, record_acceptance_length
 from dflash_core.readers import read_json
 from launcher.config import ConfigError, compose_config, require
+from launcher.serving.acceptance import per_position_from_steps, prompt_row, summarize
 from launcher.resolve import compute_dtype, dataset_paths, ensure_embedded_target, resolve_device, target_dir
 
 log = logging.getLogger("dflash")
@@ -75,7 +76,8 @@ def check_fits_target(ev: DictConfig, drafter_config, target_path: Path) -> None
 
 def check_output(ev: DictConfig) -> Path:
     """Before any work: the result file, which replaces an earlier result only with evaluate.overwrite."""
-    output = Path(ev.output) if ev.output else Path(str(Path(ev.drafter).resolve()) + ".speculative.json")
+    suffix = ".served.json" if ev.engine == "vllm" else ".speculative.json"   # each engine's result kept apart
+    output = Path(ev.output) if ev.output else Path(str(Path(ev.drafter).resolve()) + suffix)
     if output.exists() and not ev.overwrite:
         try:
             earlier = read_json(output)
@@ -134,36 +136,21 @@ def evaluate(cfg: DictConfig) -> dict:
         started = time.perf_counter()
         result = speculative_generate(target, drafter, ids, max_new_tokens=ev.max_new_tokens, eos_token_id=eos)
         spec_s += time.perf_counter() - started
-        row = {"prompt_tokens": len(ids), "generated_tokens": len(result.tokens), "tau": result.tau,
-               "accepted": result.accepted, "target_forwards": result.target_forwards, "tokens": result.tokens}
+        reference = None
         if ev.check_lossless:
             started = time.perf_counter()
             reference = greedy_decode(target, ids, ev.max_new_tokens, eos_token_id=eos)
             greedy_s += time.perf_counter() - started
-            row["lossless"] = reference == result.tokens
-            if not row["lossless"]:
-                row["first_mismatch"] = next((i for i, (a, b) in enumerate(zip(reference, result.tokens)) if a != b),
-                                             min(len(reference), len(result.tokens)))
-        per_prompt.append(row)
+        row = prompt_row(ids, result.tokens, len(result.accepted),
+                         per_position_from_steps(result.accepted, block_size), reference)
+        per_prompt.append({**row, "accepted": result.accepted})
+    return {"engine": "hf", "drafter": str(ev.drafter), "target": str(path), "device": str(device),
+            "dtype": str(dtype).removeprefix("torch."), "skipped": skipped, "max_new_tokens": ev.max_new_tokens,
+            **summarize(per_prompt, block_size, speculative_s=spec_s, greedy_s=greedy_s)}
 
-    # Step-weighted over all prompts: every verify step counts once, as in serving benchmarks.
-    accepted = [a for row in per_prompt for a in row["accepted"]]
-    histogram = {str(k): 0 for k in range(1, block_size + 1)}
-    for a in accepted:
-        histogram[str(a + 1)] += 1
-    generated = sum(row["generated_tokens"] for row in per_prompt)
-    forwards = sum(row["target_forwards"] for row in per_prompt)
-    return {
-        "drafter": str(ev.drafter), "target": str(path), "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."),
-        "prompts": len(prompts), "skipped": skipped, "block_size": block_size, "max_new_tokens": ev.max_new_tokens,
-        "tau": sum(a + 1 for a in accepted) / len(accepted) if accepted else None,
-        "histogram": histogram, "verify_steps": len(accepted), "generated_tokens": generated,
-        "target_forwards": forwards, "tokens_per_target_forward": generated / forwards,
-        "lossless": all(row["lossless"] for row in per_prompt) if ev.check_lossless else None,
-        "speculative_s": spec_s, "greedy_s": greedy_s if ev.check_lossless else None,
-        "per_prompt": per_prompt,
-    }
+
+def _rate(summary: dict, key: str) -> str:
+    return "n/a" if summary[key] is None else f"{summary[key]:.1f} tokens/s"
 
 
 def format_table(summary: dict) -> str:
@@ -173,14 +160,17 @@ def format_table(summary: dict) -> str:
         same = sum(row["lossless"] for row in summary["per_prompt"])
         lossless += f" ({same}/{summary['prompts']} prompts identical to greedy decoding)"
     rows = [
+        ("engine", summary["engine"]),
         ("prompts", str(summary["prompts"])),
         ("block size", str(summary["block_size"])),
         ("mean tau (accepted + 1)", tau),
+        ("accepted per position", "  ".join(str(n) for n in summary["per_position"])),
         ("acceptance histogram", "  ".join(f"{k}:{n}" for k, n in summary["histogram"].items())),
         ("tokens per target forward", f"{summary['tokens_per_target_forward']:.3f}"),
         ("generated tokens", str(summary["generated_tokens"])),
         ("lossless", lossless),
-        ("speculative decoding time", f"{summary['speculative_s']:.1f} s"),
+        ("speculative decoding", f"{summary['speculative_s']:.1f} s, {_rate(summary, 'speculative_tokens_per_s')}"),
+        ("plain greedy decoding", _rate(summary, "greedy_tokens_per_s")),
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
@@ -194,20 +184,26 @@ def run(overrides: list[str]) -> int:
             "set it to an exported drafter dir or a checkpoints/step_XXXXXXXX dir")
     ev = cfg.evaluate
     output = check_output(ev)
-    summary = evaluate(cfg)
+    if ev.engine == "vllm":
+        from launcher.serving.served_evaluate import evaluate_served
+        summary = evaluate_served(cfg)
+    else:
+        summary = evaluate(cfg)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(summary, indent=2) + "\n")
     print(format_table(summary))
     print(f"wrote {output}")
     if (Path(ev.drafter) / CONFIG_NAME).is_file() and summary["tau"] is not None:   # an export: its card says it
-        earlier = read_card_info(ev.drafter).get("acceptance_length")
+        engine = summary["engine"]
+        earlier = read_card_info(ev.drafter).get(acceptance_key(engine))
         if earlier is None or ev.overwrite:
             record_acceptance_length(ev.drafter, summary["tau"], {
                 "prompts": summary["prompts"], "data": OmegaConf.to_container(ev.data) if OmegaConf.is_config(ev.data)
-                else ev.data, "max_new_tokens": ev.max_new_tokens, "lossless": summary["lossless"]})
+                else ev.data, "max_new_tokens": ev.max_new_tokens, "lossless": summary["lossless"]}, engine=engine)
         else:
-            log.warning("the model card of %s keeps its earlier acceptance length %.3f (evaluate.overwrite=true "
-                        "replaces it)", ev.drafter, earlier)
+            log.warning("the model card of %s keeps its earlier %s acceptance length %.3f (evaluate.overwrite=true "
+                        "replaces it)", ev.drafter, engine, earlier)
+        print(acceptance_comparison(read_card_info(ev.drafter)))
     return 0
 
 

