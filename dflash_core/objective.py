@@ -31,7 +31,7 @@ def default_gamma(block_size):
     return max(1.0, _KNOWN_GAMMAS[lower] + slope * (block_size - lower))
 
 
-_SCALARS = ("loss_sum", "weight_sum", "tau_sum", "tau_count", "anchor_slots", "tokens")
+_SCALARS = ("loss_sum", "weight_sum", "tau_sum", "tau_count", "anchor_slots", "tokens", "walk_tokens", "walk_steps")
 
 
 @dataclass
@@ -44,6 +44,8 @@ class StepCounts:
     tau_count: torch.Tensor     # valid blocks (real anchors)
     anchor_slots: torch.Tensor  # anchor slots computed, valid or padding
     tokens: torch.Tensor        # non-padding context tokens (set by the caller)
+    walk_tokens: torch.Tensor   # held-out only: tokens that decoding the supervised spans would commit ...
+    walk_steps: torch.Tensor    # ... and the verify steps it would take (decoding_walk)
     slot_correct: torch.Tensor  # [Bs] argmax hits over supervised positions (slot 0 stays 0)
     slot_weight: torch.Tensor   # [Bs] supervised positions per slot
 
@@ -74,12 +76,14 @@ class StepCounts:
         return StepCounts.unpack(packed)
 
     def summary(self):
-        """Means: loss, tau, per-slot accuracy acc_k (k = 1..Bs-1) and its mean, EAL =
-        1 + sum_k prod_{i<=k} acc_i, and anchor_fill = valid anchor slots / all slots."""
+        """Means: loss, tau (over anchors), decode_tau (over the verify steps of decoding_walk: what
+        speculative decoding of the same text reports), per-slot accuracy acc_k (k = 1..Bs-1) and its
+        mean, EAL = 1 + sum_k prod_{i<=k} acc_i, and anchor_fill = valid anchor slots / all slots."""
         acc = (self.slot_correct[1:] / self.slot_weight[1:].clamp(min=1)).double()
         return {
             "loss": float(self.loss_sum / self.weight_sum.clamp(min=1e-12)),
             "tau": float(self.tau_sum / self.tau_count.clamp(min=1)),
+            "decode_tau": float(self.walk_tokens / self.walk_steps.clamp(min=1)),
             "acc": float(acc.mean()),
             "acc_k": acc.tolist(),
             "eal": float(1 + torch.cumprod(acc, dim=0).sum()),
@@ -246,10 +250,15 @@ def _counts(loss_sum, weight_sum, correct, weights, keep):
     """StepCounts of one forward's blocks (tokens left 0: the caller knows the padding)."""
     supervised = weights > 0
     hit = correct & supervised
-    accepted = torch.cumprod(hit[..., 1:].long(), dim=-1).sum(dim=-1)
-    scalars = [loss_sum, weight_sum, ((1 + accepted) * keep).sum(), keep.sum(), keep.numel(), 0]
+    accepted = _accepted(hit)
+    scalars = [loss_sum, weight_sum, ((1 + accepted) * keep).sum(), keep.sum(), keep.numel(), 0, 0, 0]
     return StepCounts(*[_scalar(x, keep.device) for x in scalars], hit.sum(dim=(0, 1)).double(),
                       supervised.sum(dim=(0, 1)).double())
+
+
+def _accepted(hit):
+    """[..., Bs] supervised hits -> [...] leading correct slots after slot 0 (greedy verification)."""
+    return torch.cumprod(hit[..., 1:].long(), dim=-1).sum(dim=-1)
 
 
 def _scalar(value, device) -> torch.Tensor:
@@ -290,11 +299,13 @@ def drafter_step(drafter, head, input_ids, loss_mask, hidden, *, position_ids=No
 def evaluate_tau(drafter, head, input_ids, loss_mask, hidden, *, position_ids=None, backend="auto",
                  num_anchors=512, chunk_blocks=32, compiled=False) -> StepCounts:
     """Simulated acceptance with an anchor at every valid position, `num_anchors` blocks per
-    forward (use the training count to reuse the compiled shapes), dflash-weighted loss.
+    forward (use the training count to reuse the compiled shapes), dflash-weighted loss, and the
+    decoding walk over those anchors' acceptance (walk_tokens, walk_steps).
     Held-out rows are normally unpacked (position_ids None); packed rows give the same sums.
-    Returns the counts (`.summary()` gives tau, acc, eal, loss) for cross-rank sums."""
+    Returns the counts (`.summary()` gives tau, decode_tau, acc, eal, loss) for cross-rank sums."""
     anchors, keep = all_valid_anchors(loss_mask, multiple_of=num_anchors, position_ids=position_ids)
     totals = StepCounts.zeros(drafter.config.block_size, input_ids.device)
+    accepted = []
     for start in range(0, anchors.shape[1], num_anchors):
         part = slice(start, start + num_anchors)
         # Freshly laid-out chunks: a slice's strides depend on this batch's anchor count, and compiled
@@ -307,4 +318,37 @@ def evaluate_tau(drafter, head, input_ids, loss_mask, hidden, *, position_ids=No
             loss_type="dflash", gamma=None, alpha=0.0, backend=backend, chunk_blocks=chunk_blocks,
             compiled=compiled)
         totals = totals + _counts(loss_sum, weight_sum, correct, weights, chunk_keep)
+        accepted.append(_accepted(correct & (weights > 0)))
+    tokens, steps = decoding_walk(anchors, keep, torch.cat(accepted, dim=1), loss_mask, position_ids)
+    totals.walk_tokens, totals.walk_steps = (_scalar(float(x), input_ids.device) for x in (tokens, steps))
     return totals
+
+
+def decoding_walk(anchors, keep, accepted, loss_mask, position_ids=None) -> tuple[int, int]:
+    """(tokens committed, verify steps) if each supervised span were decoded speculatively with this
+    drafter and a target whose greedy answer is the span (as in data the target regenerated).
+
+    Decoding starts from the span's first token (the target's own, from the prompt's forward), drafts
+    the block anchored there, commits the accepted tokens plus the target's next one, and anchors the
+    next block at the last committed token, until the span's last token is committed. So it visits
+    only the anchors it lands on, and a stretch the drafter misses costs a step per token while one it
+    gets right costs a step per block: its tokens / steps is what real decoding reports, lower than
+    the mean over all anchors (tau) wherever acceptance is uneven along the text."""
+    anchors, keep, accepted, loss_mask = (t.cpu() for t in (anchors, keep, accepted, loss_mask))
+    starts_document = torch.zeros_like(loss_mask, dtype=torch.bool)
+    starts_document[:, 0] = True
+    if position_ids is not None:
+        starts_document |= position_ids.cpu() == 0
+    tokens = steps = 0
+    for row in range(anchors.shape[0]):
+        kept = keep[row]
+        accepted_at = dict(zip(anchors[row][kept].tolist(), accepted[row][kept].tolist()))
+        mask, first = loss_mask[row].tolist(), starts_document[row].tolist()
+        for start in sorted(accepted_at):
+            if not (first[start] or not mask[start - 1]):
+                continue   # inside a span: decoding reaches it from the span's start, or skips it
+            position = start
+            while position in accepted_at:
+                committed = accepted_at[position] + 1
+                tokens, steps, position = tokens + committed, steps + 1, position + committed
+    return tokens, steps

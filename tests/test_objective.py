@@ -6,10 +6,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_core.anchors import sample_anchors
+from dflash_core.anchors import all_valid_anchors, sample_anchors
 from dflash_core.frozen_head import FrozenTargetHead
 from dflash_core.model import DFlashDrafter
-from dflash_core.objective import block_input_ids, block_labels, default_gamma, drafter_step, evaluate_tau, loss_weights
+from dflash_core.objective import (
+    block_input_ids,
+    block_labels,
+    decoding_walk,
+    default_gamma,
+    drafter_step,
+    evaluate_tau,
+    loss_weights,
+)
 from tests.drafters import drafter_config
 
 VOCAB, HIDDEN, BS, MASK_ID = 40, 32, 4, 39
@@ -283,3 +291,68 @@ def test_compiled_layers_and_head_loss_match_eager_and_compile_once():
     # (the context's rows and the blocks').
     assert first == {"drafter_layer": 1, "head_loss": 1, "rms_norm": 2}
     assert {name: compile_count(name) - before[name] for name in before} == first
+
+
+def test_decoding_walk_visits_only_the_anchors_decoding_lands_on():
+    """Two documents in one packed row, spans of 9 and 4 supervised tokens. Span 1: the block at its
+    first token accepts 3 (commits 4), the next lands 4 on and accepts everything left (the block's
+    bonus token ends the span): 2 steps, 9 tokens, though six anchors in between accepted nothing.
+    Span 2: 0 then 1 accepted. Anchors decoding skips never count."""
+    loss_mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 0]])
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2, 3, 4, 5]])
+    anchors = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 0]])
+    keep = torch.tensor([[True] * 11 + [False]])
+    accepted = torch.tensor([[3, 0, 0, 0, 4, 0, 0, 0, 0, 1, 0, 7]])
+    tokens, steps = decoding_walk(anchors, keep, accepted, loss_mask, position_ids)
+    assert (tokens, steps) == (4 + 5 + 1 + 2, 4)
+    # The documents' boundary comes from position_ids alone when the masks of two answers touch.
+    touching = torch.tensor([[1, 1, 1, 1]])
+    walk = decoding_walk(torch.tensor([[0, 2]]), torch.tensor([[True, True]]), torch.tensor([[0, 0]]),
+                         touching, torch.tensor([[0, 1, 0, 1]]))
+    assert walk == (2, 2)
+
+
+def test_decode_tau_is_what_speculative_decoding_of_the_same_text_reports(tiny_target_dir):
+    """A drafter fitted to the tiny target's greedy answer is decoded speculatively; the same answer as
+    held-out data gives, through evaluate_tau's walk, exactly the steps decoding took (all but the last,
+    which decoding may commit past its max_new_tokens). Everything runs in float64, so no argmax of
+    either path sits close enough to a tie for the two summation orders to flip it, on any CPU."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_core.model import DFlashDrafter, DrafterConfig
+    from dflash_core.speculative import greedy_decode, head_from_target, speculative_generate
+    from dflash_core.tiny import first_unused_token_id
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float64).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    prompt = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": "How many hours are in 3 days?"}],
+                                                     tokenize=False, add_generation_prompt=True),
+                       add_special_tokens=False)["input_ids"]
+    config = DrafterConfig.from_target(target.config, num_layers=1, block_size=8, target_layer_ids=[0, 2],
+                                       mask_token_id=first_unused_token_id(tokenizer, target.config))
+    drafter = DFlashDrafter(config, seed=0).double()
+    head = head_from_target(target)
+
+    def as_data(answer):
+        ids = torch.tensor([prompt + answer])
+        with torch.no_grad():
+            states = target(ids, output_hidden_states=True).hidden_states
+        hidden = torch.cat([states[i + 1] for i in config.target_layer_ids], dim=-1)
+        return ids, torch.tensor([[0] * len(prompt) + [1] * len(answer)]), hidden
+
+    ids, mask, hidden = as_data(greedy_decode(target, prompt, 40))
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    for _ in range(40):   # partly fitted: uneven acceptance along the answer tells the walk from the anchor mean
+        drafter_step(drafter, head, ids, mask, hidden, num_anchors=64, backend="sdpa",
+                     fixed_anchors=all_valid_anchors(mask)).loss_sum.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    drafter.eval()
+
+    decoded = speculative_generate(target, drafter, prompt, max_new_tokens=40)
+    steps = decoded.accepted[:-1]
+    assert len(steps) >= 3 and len(set(steps)) > 1, decoded.accepted
+    answer = decoded.tokens[:1 + sum(a + 1 for a in steps)]
+    counts = evaluate_tau(drafter, head, *as_data(answer), backend="sdpa", num_anchors=8)
+    assert (counts.walk_steps, counts.walk_tokens) == (len(steps), sum(a + 1 for a in steps))
+    assert counts.summary()["decode_tau"] == pytest.approx(sum(a + 1 for a in steps) / len(steps))

@@ -76,7 +76,8 @@ def _card(ctx: Context, trainer: DrafterTrainer, last_eval: dict | None) -> dict
     return {"target": str(ctx.job.target.path), TARGET_IDENTITY: target_identity(ctx.job.target.path),
             "data": [str(p) for p in ctx.cfg.data.paths],
             "steps": ctx.cfg.train.steps, "tokens_seen": trainer.tokens_seen,
-            "heldout_tau": last_eval["tau"] if last_eval else None,
+            "heldout_tau": last_eval["decode_tau"] if last_eval else None,
+            "heldout_anchor_tau": last_eval["tau"] if last_eval else None,
             "command": ctx.provenance["launcher_command"] or ctx.provenance["command"],
             "provenance": card_provenance(ctx.provenance)}
 

@@ -112,7 +112,8 @@ class MetricsSink:
 
     def eval(self, step: int, record: dict) -> None:
         self.write("eval", step, record)
-        self.bar.write(f"eval @ step {step}: tau {record['tau']:.3f}  acc {record['acc']:.3f}")
+        self.bar.write(f"eval @ step {step}: decoding tau {record['decode_tau']:.3f} (per anchor {record['tau']:.3f})  "
+                       f"acc {record['acc']:.3f}")
 
     def write(self, kind: str, step: int, record: dict) -> None:
         self.jsonl.write(json.dumps({"kind": kind, "step": step, **record}) + "\n")

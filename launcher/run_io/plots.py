@@ -21,9 +21,10 @@ def plot_run(run_dir: Path) -> Path | None:
     if evals:
         loss_ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="held-out")
     loss_ax.set(title="loss", xlabel="step")
-    tau_ax.plot(steps, [r["tau"] for r in train], label="train batch")
+    tau_ax.plot(steps, [r["tau"] for r in train], label="train batch, per anchor")
     if evals:
-        tau_ax.plot([r["step"] for r in evals], [r["tau"] for r in evals], "o-", label="held-out")
+        tau_ax.plot([r["step"] for r in evals], [r["tau"] for r in evals], "o-", label="held-out, per anchor")
+        tau_ax.plot([r["step"] for r in evals], [r["decode_tau"] for r in evals], "s-", label="held-out, decoding")
     tau_ax.set(title="simulated acceptance length tau", xlabel="step")
     speed_ax.plot(steps, [r["tokens_per_s"] for r in train])
     speed_ax.set(title="drafter tokens/s (all ranks)", xlabel="step")
