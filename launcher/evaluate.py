@@ -18,8 +18,8 @@ from dflash_core.export import CONFIG_NAME
 from dflash_core.model_card import acceptance_comparison, acceptance_key, read_card_info, record_acceptance_length
 from dflash_core.readers import read_json
 from launcher.config import ConfigError, compose_config, require
-from launcher.serving.acceptance import per_position_from_steps, prompt_row, summarize
 from launcher.resolve import compute_dtype, dataset_paths, ensure_embedded_target, resolve_device, target_dir
+from launcher.serving.acceptance import per_position_from_steps, prompt_row, summarize
 
 log = logging.getLogger("dflash")
 USAGE = """\
