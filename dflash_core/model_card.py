@@ -30,11 +30,15 @@ FIELDS = {
     "served_acceptance_length": "Served acceptance length (vLLM's counters, launcher.evaluate evaluate.engine=vllm)",
     "command": "Command",
 }
-# The card key of each evaluation engine's acceptance length; how it was measured is under <key>_eval.
+# The card key of each evaluation engine's acceptance length; how it was measured is under _eval_key(key).
 ACCEPTANCE_KEYS = {"hf": "acceptance_length", "vllm": "served_acceptance_length"}
+
+
+def _eval_key(key: str) -> str:
+    return key.replace("_length", "_eval")   # acceptance_eval, served_acceptance_eval
 PROVENANCE = "provenance"          # dict: code version, torch / transformers / CUDA / NCCL versions, ...
 TARGET_IDENTITY = "target_identity"  # dict: the target's model_type and config.json digest (target_identity())
-_SHOWN_ELSEWHERE = (PROVENANCE, TARGET_IDENTITY, *(f"{key}_eval" for key in ACCEPTANCE_KEYS.values()))
+_SHOWN_ELSEWHERE = (PROVENANCE, TARGET_IDENTITY, *map(_eval_key, ACCEPTANCE_KEYS.values()))
 # config.json keys that differ between copies of one model (who saved it, with what, in which dtype).
 _COPY_KEYS = ("_name_or_path", "transformers_version", "torch_dtype", "dtype")
 
@@ -75,7 +79,7 @@ def record_acceptance_length(out_dir, acceptance_length, details=None, engine="h
     `details`: how it was measured, e.g. {"prompts": 64, "data": [...], "max_new_tokens": 256}."""
     info, key = read_card_info(out_dir), acceptance_key(engine)
     info[key] = acceptance_length
-    info[f"{key}_eval"] = dict(details or {})
+    info[_eval_key(key)] = dict(details or {})
     write_model_card(out_dir, info)
 
 
@@ -144,9 +148,10 @@ def _training_value(key, info):
     value = info.get(key)
     if key in ACCEPTANCE_KEYS.values() and value is None:
         engine = next(engine for engine, k in ACCEPTANCE_KEYS.items() if k == key)
-        return f"not measured yet (`python -m launcher.evaluate evaluate.drafter=<this directory> evaluate.engine={engine}`)"
-    if key in ACCEPTANCE_KEYS.values() and info.get(f"{key}_eval"):
-        how = ", ".join(f"{k} {_format(v)}" for k, v in sorted(info[f"{key}_eval"].items()))
+        return ("not measured yet (`python -m launcher.evaluate evaluate.drafter=<this directory> "
+                f"evaluate.engine={engine}`)")
+    if key in ACCEPTANCE_KEYS.values() and info.get(_eval_key(key)):
+        how = ", ".join(f"{k} {_format(v)}" for k, v in sorted(info[_eval_key(key)].items()))
         return f"{_format(value)} ({how})"
     if key == "command" and value:
         command = shlex.join(str(arg) for arg in value) if isinstance(value, (list, tuple)) else value

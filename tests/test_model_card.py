@@ -2,7 +2,7 @@
 import yaml
 
 from dflash_core.export import export_drafter
-from dflash_core.model_card import read_card_info, record_acceptance_length
+from dflash_core.model_card import acceptance_comparison, read_card_info, record_acceptance_length
 from tests.test_export import drafter_to_export
 
 INFO = {
@@ -42,13 +42,27 @@ def test_evaluation_adds_the_real_acceptance_length_and_keeps_the_rest(tmp_path)
     export_drafter(drafter_to_export(), tmp_path / "out", card=INFO)
     record_acceptance_length(tmp_path / "out", 4.0625, {"prompts": 64, "max_new_tokens": 256})
     card = (tmp_path / "out" / "README.md").read_text()
-    assert "| Acceptance length (real speculative decoding, launcher.evaluate) | 4.062 (max_new_tokens 256, " \
-           "prompts 64) |" in card
-    assert "not measured yet" not in card and "| Training tokens seen | 123,456,789 |" in card
+    assert "| Acceptance length (real speculative decoding, launcher.evaluate, engine hf) | 4.062 (max_new_tokens " \
+           "256, prompts 64) |" in card
+    assert "engine=hf`" not in card and "evaluate.engine=vllm`)" in card   # only the served row is still to measure
+    assert "| Training tokens seen | 123,456,789 |" in card
     assert read_card_info(tmp_path / "out") == {**INFO, "acceptance_length": 4.0625,
                                                 "acceptance_eval": {"prompts": 64, "max_new_tokens": 256}}
     assert (tmp_path / "out" / "README.md").stat().st_mode & 0o777 == 0o644
     assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.name.startswith(".")) == []
+
+
+def test_each_engine_keeps_its_own_acceptance_and_the_three_are_compared(tmp_path):
+    export_drafter(drafter_to_export(), tmp_path / "out", card=INFO)
+    record_acceptance_length(tmp_path / "out", 3.0, {"prompts": 16})
+    record_acceptance_length(tmp_path / "out", 3.3, {"prompts": 16}, engine="vllm")
+    info = read_card_info(tmp_path / "out")
+    assert info["acceptance_length"] == 3.0 and info["served_acceptance_length"] == 3.3
+    assert info["served_acceptance_eval"] == {"prompts": 16}
+    table = acceptance_comparison(info).splitlines()
+    assert table[1].endswith("(+7.1% against real decoding)")   # held-out 3.214 against 3.0
+    assert table[2].rstrip().endswith("3.000") and "+10.0%" in table[3]
+    assert "not measured" in acceptance_comparison({"heldout_tau": 3.2}).splitlines()[2]
 
 
 def test_card_without_facts_says_what_is_missing(tmp_path):
