@@ -57,7 +57,7 @@ def test_malformed_dataset_line(tmp_path, tiny_target_dir, policy):
     good = json.dumps({"id": 1, "conversations": [{"role": "user", "content": "add 2 and 3"},
                                                   {"role": "assistant", "content": "2 plus 3 is 5, so 5."}]})
     data = tmp_path / "d.jsonl"
-    data.write_text(good + "\n{not json\n" + good + "\n")
+    data.write_text(good + "\n{not json\n" + good.replace("so 5.", "so five.") + "\n")  # distinct: none dropped
     cfg = _cfg(tiny_target_dir, tmp_path, f"data.paths=[{data}]", f"data.on_bad_line={policy}",
                "data.eval_fraction=0")
     if policy == "fail":

@@ -26,6 +26,8 @@ from launcher.run_io import checkpoint
 log = logging.getLogger("dflash")
 # Keys that name this launch, not what is trained.
 _PER_LAUNCH = ("run.dir", "run.resume", "fault.")
+# Data keys that do not change which samples the stream holds (packing is recorded resolved).
+_NOT_STREAM = ("cache_dir", "packing", "num_proc")
 
 
 class ResumeError(ValueError):
@@ -72,7 +74,7 @@ def record(job: Job) -> dict:
     stream = {"micro-batches per step": sched.train_per_step, "train.micro_batch_size": cfg.train.micro_batch_size,
               "run.seed": cfg.run.seed, "data.packing": job.packing, "held-out split": sched.eval_batches > 0,
               **{f"data.{key}": OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-                 for key, value in cfg.data.items() if key not in ("cache_dir", "packing")}}
+                 for key, value in cfg.data.items() if key not in _NOT_STREAM}}
     return {"model": model, "stream": stream, "split": {"drafter ranks": sched.num_drafters,
                                                         "train.grad_accum": sched.grad_accum},
             "config": _flat(OmegaConf.to_container(cfg, resolve=True))}
