@@ -133,3 +133,21 @@ def test_unwritable_run_dir(tmp_path):
 def test_unknown_config_key():
     with pytest.raises(ConfigCompositionException, match="train.stpes"):
         compose_config(["train.stpes=5"])
+
+
+@pytest.mark.parametrize("setting", ["nope-tok", "/nope-tok"])
+def test_a_tokenizer_path_that_does_not_exist_is_named_at_once_with_no_hub_lookup(tmp_path, tiny_target_dir,
+                                                                                 monkeypatch, setting):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")   # were the hub asked, it would fail here at once, not after 50 s
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError, match=f"tokenizer path '{setting}' does not exist"):
+        _job(tiny_target_dir, tmp_path, f"data.tokenizer={setting}")
+
+
+def test_a_dataset_file_named_twice_is_refused_naming_it(tmp_path, tiny_target_dir):
+    data = tmp_path / "x.jsonl"
+    data.write_text(json.dumps({"conversations": [{"role": "user", "content": "hi"},
+                                                  {"role": "assistant", "content": "hello there"}]}) + "\n")
+    for paths in (f"[{data},{data}]", f"[{tmp_path},{data}]"):   # twice directly, or once more through its directory
+        with pytest.raises(ConfigError, match=f"data.paths: '{data}' is named twice"):
+            build_sources(_job(tiny_target_dir, tmp_path, f"data.paths={paths}", "data.eval_fraction=0"))
