@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..durable import fsync_path
+
 STORE_FORMAT = "dflash-token-store-v1"
 _FILES = {"ids": ("ids.bin", np.int32), "mask": ("mask.bin", np.uint8), "offsets": ("offsets.bin", np.int64),
           "hashes": ("hashes.bin", np.uint64)}
@@ -89,14 +91,6 @@ def _sha256(file: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_store(directory: Path, chunks: Iterable[Chunk], stats_of) -> None:
     """Stream `chunks` into a store at `directory`, atomically; `stats_of()` gives the source's stats
     once the chunks are exhausted. An existing store there is replaced."""
@@ -122,10 +116,10 @@ def write_store(directory: Path, chunks: Iterable[Chunk], stats_of) -> None:
                 "sha256": {name: _sha256(tmp / _FILES[name][0]) for name in _CHECKSUMMED}}
         (tmp / "meta.json").write_text(json.dumps(meta, sort_keys=True))
         for file in tmp.iterdir():
-            _fsync(file)
-        _fsync(tmp)
+            fsync_path(file)
+        fsync_path(tmp)
         _replace_dir(tmp, directory)
-        _fsync(directory.parent)
+        fsync_path(directory.parent)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
