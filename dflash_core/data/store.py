@@ -203,9 +203,10 @@ class Samples(Sequence):
     def hashes(self) -> np.ndarray:
         return np.concatenate([np.zeros(0, np.uint64)] + [np.asarray(s.hashes) for s in self.stores])[self.index]
 
-    def without_duplicates(self) -> tuple[Samples, int]:
-        """The first occurrence of each distinct sample (same ids and mask), in order; and how many
-        later copies were dropped."""
+    def without_duplicates(self) -> tuple[Samples, np.ndarray]:
+        """The first occurrence of each distinct sample (same ids and mask), in order; and the
+        positions of the later copies left out."""
         _, first = np.unique(self.hashes(), return_index=True)
-        keep = np.sort(first)
-        return self.subset(keep), len(self) - len(keep)
+        keep = np.zeros(len(self), bool)
+        keep[first] = True
+        return self.subset(np.flatnonzero(keep)), np.flatnonzero(~keep)

@@ -15,8 +15,6 @@ import json
 import warnings
 from pathlib import Path
 
-import numpy as np
-
 from .parallel import tokenize_source
 from .records import BAD_LINE_REASONS, DataError, check_on_bad_line, dataset_sources, file_digest
 from .render import tokenizer_name
@@ -119,19 +117,16 @@ def load_samples(paths, tokenizer, *, max_length: int, last_turn_only: bool = Fa
         stores.append(_source_store(path, tokenizer, settings, cache_dir, num_proc, progress))
         _add_stats(totals, stores[-1].stats)
     samples = Samples(stores)
-    if drop_duplicates:
-        samples, dropped = samples.without_duplicates()
-        totals["dropped_duplicate"] = dropped
-        totals["kept"] -= dropped
-        totals["tokens"] = int(samples.lengths.sum())
-        totals["supervised_tokens"] = _supervised_tokens(samples) if dropped else totals["supervised_tokens"]
+    if drop_duplicates:   # the counts of the copies left out are taken off (they are few: no pass over the rest)
+        kept, dropped = samples.without_duplicates()
+        totals["dropped_duplicate"] = len(dropped)
+        totals["kept"] -= len(dropped)
+        totals["tokens"] -= int(samples.lengths[dropped].sum())
+        totals["supervised_tokens"] -= sum(int(samples[int(k)]["loss_mask"].sum()) for k in dropped)
+        samples = kept
     if not len(samples):
         raise DataError(f"no usable samples in {[str(p) for p in sources]} after filtering: {totals}")
     return samples, totals
-
-
-def _supervised_tokens(samples: Samples) -> int:
-    return sum(int(np.count_nonzero(samples[k]["loss_mask"])) for k in range(len(samples)))
 
 
 # ------------------------------------------------------------------------- reporting
