@@ -141,7 +141,7 @@ def resolve_device(setting: str, key: str, local_rank: int = 0) -> torch.device:
 def drafter_config(cfg: DictConfig, hf_config) -> DrafterConfig:
     mask_token_id = cfg.drafter.mask_token_id
     if mask_token_id == "auto":
-        from dflash_core.data import load_tokenizer   # a local directory, checked: never a hub lookup
+        from dflash_core.data import load_tokenizer  # a local directory, checked: never a hub lookup
         mask_token_id = first_unused_token_id(load_tokenizer(tokenizer_dir(cfg)), hf_config)
     max_positions = text_config(hf_config).max_position_embeddings
     for key in ("max_length", "fixed_length"):
