@@ -6,13 +6,14 @@ import random
 import time
 
 import torch
+
 from dflash_core.data import MicroBatchSource, describe_drops, drop_warning, load_tokenizer
 from dflash_core.target import CapturingTarget, load_target, random_target
 from launcher.config import ConfigError
 from launcher.context import Context
+from launcher.dataset import load_run_samples
 from launcher.distributed.channel import HIDDEN_DTYPE, Sender
 from launcher.distributed.schedule import TRAIN
-from launcher.dataset import load_run_samples
 from launcher.resolve import Job
 from launcher.roles.fault import maybe_fail
 from launcher.run_io.rundir import SeqLog
