@@ -70,7 +70,9 @@ def tokenise(path: Path, tokenizer_dir: Path, procs: int, cache_dir: Path | None
     """Run in a fresh process: tokenise `path` with `procs` processes, the rate per wall and CPU second."""
     from transformers import AutoTokenizer
 
+    import dflash_core.data.parallel as parallel
     from dflash_core.data import load_samples
+    parallel.PARALLEL_MIN_BYTES = 0   # the pool for `procs` > 1 whatever the file's size
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     wall, cpu = time.perf_counter(), cpu_seconds()
     samples, stats = load_samples(path, tokenizer, max_length=4096, cache_dir=cache_dir, num_proc=procs)
