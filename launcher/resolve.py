@@ -115,7 +115,13 @@ def dataset_paths(entries, key: str) -> list[Path]:
     for path in paths:
         if not path.exists():
             raise ConfigError(f"{key}: {str(path)!r} does not exist")
-    return dataset_sources(paths)
+    sources, seen = dataset_sources(paths), {}
+    for source in sources:   # a file read twice would put copies of its records on both sides of the split
+        first = seen.setdefault(source.resolve(), source)
+        if first is not source:
+            raise ConfigError(f"{key}: {str(source)!r} is named twice (directly or through a directory; first as "
+                              f"{str(first)!r}): name each dataset file once")
+    return sources
 
 
 def compute_dtype(setting: str, device: torch.device) -> torch.dtype:
@@ -138,8 +144,8 @@ def resolve_device(setting: str, key: str, local_rank: int = 0) -> torch.device:
 def drafter_config(cfg: DictConfig, hf_config) -> DrafterConfig:
     mask_token_id = cfg.drafter.mask_token_id
     if mask_token_id == "auto":
-        from transformers import AutoTokenizer
-        mask_token_id = first_unused_token_id(AutoTokenizer.from_pretrained(tokenizer_dir(cfg)), hf_config)
+        from dflash_core.data import load_tokenizer  # a local directory, checked: never a hub lookup
+        mask_token_id = first_unused_token_id(load_tokenizer(tokenizer_dir(cfg)), hf_config)
     max_positions = text_config(hf_config).max_position_embeddings
     for key in ("max_length", "fixed_length"):
         length = cfg.data[key]

@@ -57,7 +57,7 @@ def test_malformed_dataset_line(tmp_path, tiny_target_dir, policy):
     good = json.dumps({"id": 1, "conversations": [{"role": "user", "content": "add 2 and 3"},
                                                   {"role": "assistant", "content": "2 plus 3 is 5, so 5."}]})
     data = tmp_path / "d.jsonl"
-    data.write_text(good + "\n{not json\n" + good + "\n")
+    data.write_text(good + "\n{not json\n" + good.replace("so 5.", "so five.") + "\n")  # distinct: none dropped
     cfg = _cfg(tiny_target_dir, tmp_path, f"data.paths=[{data}]", f"data.on_bad_line={policy}",
                "data.eval_fraction=0")
     if policy == "fail":
@@ -201,3 +201,21 @@ def test_unwritable_run_dir(tmp_path):
 def test_unknown_config_key():
     with pytest.raises(ConfigCompositionException, match="train.stpes"):
         compose_config(["train.stpes=5"])
+
+
+@pytest.mark.parametrize("setting", ["nope-tok", "/nope-tok"])
+def test_a_tokenizer_path_that_does_not_exist_is_named_at_once_with_no_hub_lookup(tmp_path, tiny_target_dir,
+                                                                                 monkeypatch, setting):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")   # were the hub asked, it would fail here at once, not after 50 s
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError, match=f"tokenizer path '{setting}' does not exist"):
+        _job(tiny_target_dir, tmp_path, f"data.tokenizer={setting}")
+
+
+def test_a_dataset_file_named_twice_is_refused_naming_it(tmp_path, tiny_target_dir):
+    data = tmp_path / "x.jsonl"
+    data.write_text(json.dumps({"conversations": [{"role": "user", "content": "hi"},
+                                                  {"role": "assistant", "content": "hello there"}]}) + "\n")
+    for paths in (f"[{data},{data}]", f"[{tmp_path},{data}]"):   # twice directly, or once more through its directory
+        with pytest.raises(ConfigError, match=f"data.paths: '{data}' is named twice"):
+            build_sources(_job(tiny_target_dir, tmp_path, f"data.paths={paths}", "data.eval_fraction=0"))

@@ -185,7 +185,7 @@ def test_enable_thinking_reaches_the_template_and_the_cache_key(tmp_path, qwen):
         runs[str(kwargs)] = [qwen.decode(sample["input_ids"][s:e]) for s, e in supervised_runs(sample["loss_mask"])]
     # Thinking on: the model writes the (empty) think block. Off: the prompt holds it, so only the answer is supervised.
     assert runs == {"{}": ["<think>\n\n</think>\n\n51.<|im_end|>"], "{'enable_thinking': False}": ["51.<|im_end|>"]}
-    assert len(list(cache.glob("*.pt"))) == 2
+    assert len(list(cache.glob("*/meta.json"))) == 2
 
 
 def test_a_conversation_the_template_cannot_render_is_a_bad_line(tmp_path):

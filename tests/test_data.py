@@ -212,7 +212,7 @@ def test_tokenisation_is_cached_per_file_tokenizer_and_settings(tmp_path, tokeni
     path = write_jsonl(tmp_path / "d.jsonl", [{"conversations": TWO_TURNS}])
     cache = tmp_path / "cache"
     first, first_stats = load_samples(path, tokenizer, max_length=512, cache_dir=cache)
-    monkeypatch.setattr(data, "_tokenize_source", lambda *a, **k: pytest.fail("cache miss"))
+    monkeypatch.setattr(data, "tokenize_source", lambda *a, **k: pytest.fail("cache miss"))
     again, again_stats = load_samples(path, tokenizer, max_length=512, cache_dir=cache)
     assert again_stats == first_stats
     assert torch.equal(again[0]["input_ids"], first[0]["input_ids"])
@@ -222,20 +222,32 @@ def test_tokenisation_is_cached_per_file_tokenizer_and_settings(tmp_path, tokeni
     load_samples(path, tokenizer, max_length=256, cache_dir=cache)  # other settings: a new entry
     write_jsonl(path, [{"conversations": TWO_TURNS[:3]}])  # other bytes: a new entry
     changed, _ = load_samples(path, tokenizer, max_length=512, cache_dir=cache)
-    assert len(list(cache.glob("*.pt"))) == 3
+    assert len(list(cache.glob("*/meta.json"))) == 3
     assert len(changed[0]["input_ids"]) < len(first[0]["input_ids"])
 
 
-def test_corrupt_cache_is_rebuilt_with_a_warning(tmp_path, tokenizer):
-    path = write_jsonl(tmp_path / "d.jsonl", [{"conversations": TWO_TURNS}])
+@pytest.mark.parametrize("damage", ["torn ids", "torn index", "flipped index", "no meta", "foreign meta"])
+def test_corrupt_or_partial_store_is_rebuilt_with_a_warning_never_used(tmp_path, tokenizer, damage):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"conversations": TWO_TURNS}, {"text": "plain text sample"}])
     cache = tmp_path / "cache"
-    first, _ = load_samples(path, tokenizer, max_length=512, cache_dir=cache)
-    [cache_file] = cache.glob("*.pt")
-    cache_file.write_bytes(cache_file.read_bytes()[:100])  # torn
-    with pytest.warns(UserWarning, match=re.escape(f"tokenised cache {cache_file} is unreadable") + ".*rebuilding"):
+    first = list(load_samples(path, tokenizer, max_length=512, cache_dir=cache)[0])  # copies, not the damaged map
+    [store] = [meta.parent for meta in cache.glob("*/meta.json")]
+    file = {"torn ids": "ids.bin", "torn index": "offsets.bin", "flipped index": "offsets.bin"}.get(damage, "meta.json")
+    content = (store / file).read_bytes()
+    if damage.startswith("torn"):
+        (store / file).write_bytes(content[:len(content) // 2])
+    elif damage == "flipped index":  # same size, other offsets: only the checksum tells
+        (store / file).write_bytes(content[:8] + bytes([content[8] ^ 1]) + content[9:])
+    elif damage == "no meta":  # a writer killed before its rename leaves no meta.json under the final name
+        (store / file).unlink()
+    else:
+        (store / file).write_text('{"format": "something-else"}')
+    with pytest.warns(UserWarning, match=re.escape(f"tokenised store {store} is unusable") + ".*rebuilding it"):
         again, _ = load_samples(path, tokenizer, max_length=512, cache_dir=cache)
-    assert torch.equal(again[0]["loss_mask"], first[0]["loss_mask"])
-    assert data._load_cache(cache_file) is not None  # rewritten whole
+    for got, want in zip(again, first, strict=True):
+        assert torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(got["loss_mask"], want["loss_mask"])
+    assert data.open_store(store) is not None  # rewritten whole
+    assert not list(cache.glob(".*"))  # no temporary or set-aside store left behind
 
 
 def test_directories_and_plain_strings_are_read(tmp_path, tokenizer):

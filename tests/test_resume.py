@@ -111,3 +111,20 @@ def test_checkpoints_that_all_fail_to_load_are_not_silently_restarted(make_job, 
     (bad / "state.pt").write_bytes(b"garbage")
     with pytest.raises(ResumeError, match="holds checkpoints but none of them loads"):
         resume.choose(make_job(), tmp_path)
+
+
+def test_a_dataset_replaced_under_the_same_path_is_refused_naming_it(make_job, tmp_path):
+    import json
+    import re
+    data = tmp_path / "chats.jsonl"
+
+    def write(answer):
+        data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                 {"role": "assistant", "content": answer}]}) + "\n")
+    write("hello there")
+    _trained(make_job(f"data.paths=[{data}]"), tmp_path, 20)
+    write("hello there")          # rewritten, same bytes: the same data, resumed
+    assert resume.choose(make_job(f"data.paths=[{data}]"), tmp_path).step == 20
+    write("hello where")          # same size, other bytes
+    with pytest.raises(ResumeError, match=re.escape(f"the content of {data} changed since the checkpoint")):
+        resume.choose(make_job(f"data.paths=[{data}]"), tmp_path)

@@ -169,3 +169,29 @@ def test_a_stopped_store_host_is_named_and_nothing_waits_on_it_forever(monkeypat
         drafter.close()
     finally:
         server.kill()
+
+
+def test_a_rank_tokenising_past_the_startup_timeout_while_reporting_progress_is_waited_for(store):
+    target, drafter = _progress(store, 0, startup_timeout_s=1.5), _progress(store, 1, startup_timeout_s=1.5)
+
+    def tokenise_then_arrive():
+        target.stage("tokenising")
+        for done in range(1, 11):        # 3 s of tokenising, twice run.startup_timeout_s, progress all along
+            time.sleep(0.3)
+            target.note(f"tokenised {done * 100} of 1000 records")
+        target.stage("loading_target")   # the next stage starts its own run.startup_timeout_s
+        time.sleep(0.5)
+        target.arrive("stream")
+
+    worker = threading.Thread(target=tokenise_then_arrive)
+    started = time.monotonic()
+    worker.start()
+    drafter.meet("stream")
+    worker.join()
+    assert time.monotonic() - started > 3.0
+    # Progress that stops counts as none: the startup timeout applies from the last change.
+    target.stage("tokenising")
+    target.note("tokenised 100 of 1000 records")
+    with pytest.raises(PeerStalled, match=r"rank 0 \(target.*is alive but still at stage tokenising"):
+        drafter.wait_for("later", [0])
+    target.close(), drafter.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -43,7 +44,7 @@ class MicroBatchSource:
     Each epoch shuffles the rows.
     """
 
-    def __init__(self, samples: list[dict], *, micro_batch_size: int, seed: int, pad_token_id: int,
+    def __init__(self, samples: Sequence[dict], *, micro_batch_size: int, seed: int, pad_token_id: int,
                  length_multiple: int = 64, fixed_length: int | None = None, bucket_window: int = 8,
                  packing: bool = False, pack_window_rows: int = 64):
         if not samples:
@@ -55,7 +56,9 @@ class MicroBatchSource:
         if packing and fixed_length is None:
             raise ValueError("packing needs a fixed row length: set fixed_length (data.fixed_length)")
         self.samples = samples
-        self.lengths = [len(s["input_ids"]) for s in samples]
+        # A store's view (store.Samples) knows its lengths without reading a sample.
+        lengths = getattr(samples, "lengths", None)
+        self.lengths = lengths.tolist() if lengths is not None else [len(s["input_ids"]) for s in samples]
         if fixed_length is not None:
             longest = max(range(len(samples)), key=self.lengths.__getitem__)
             if self.lengths[longest] > fixed_length:
@@ -156,8 +159,9 @@ class MicroBatchSource:
             offset = 0
             for sid in row:
                 n = self.lengths[sid]
-                input_ids[r, offset:offset + n] = self.samples[sid]["input_ids"]
-                loss_mask[r, offset:offset + n] = self.samples[sid]["loss_mask"]
+                sample = self.samples[sid]
+                input_ids[r, offset:offset + n] = sample["input_ids"]
+                loss_mask[r, offset:offset + n] = sample["loss_mask"]
                 position_ids[r, offset:offset + n] = torch.arange(n)
                 offset += n
             if self.packing:

@@ -340,3 +340,18 @@ def file_digest(path: Path) -> str:
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)
     return digest.hexdigest()
+
+
+_FINGERPRINTS: dict[tuple, str] = {}
+
+
+def file_fingerprint(path: Path) -> str:
+    """`<bytes>:<sha256>` of a source's content (file_digest), hashed once per process for as long
+    as its files' sizes and modification times stay the same."""
+    path = Path(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    stats = [f.stat() for f in files]
+    key = (str(path.resolve()), tuple((str(f), s.st_size, s.st_mtime_ns, s.st_ino) for f, s in zip(files, stats)))
+    if key not in _FINGERPRINTS:
+        _FINGERPRINTS[key] = f"{sum(s.st_size for s in stats)}:{file_digest(path)}"
+    return _FINGERPRINTS[key]

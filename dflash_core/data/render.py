@@ -43,6 +43,7 @@ that); a template with no place for reasoning (Llama 3) drops it: put it in the 
 from __future__ import annotations
 
 import re
+from itertools import islice
 
 from .records import DataError, Record
 
@@ -190,8 +191,8 @@ class ChatRenderer:
         turns = turns[-1:] if last_turn_only else turns
         if not turns:
             return full, []
-        used = set(full)
-        sentinels = [c for c in map(chr, SENTINELS) if c not in used][:len(turns)]
+        used = set(full)  # the first unused private-use characters, found without walking the whole range
+        sentinels = list(islice((c for c in map(chr, SENTINELS) if c not in used), len(turns)))
         if len(sentinels) < len(turns):
             raise ValueError("the conversation uses nearly every Unicode private-use character; no sentinel is left")
         probes = list(messages)

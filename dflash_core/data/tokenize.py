@@ -12,28 +12,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 import warnings
 from pathlib import Path
 
-import torch
-
-from .records import (
-    BAD_LINE_REASONS,
-    DataError,
-    Record,
-    check_on_bad_line,
-    count_bad_line,
-    dataset_sources,
-    file_digest,
-    read_records,
-)
-from .render import ChatRenderer, tokenizer_name
+from .parallel import tokenize_source
+from .records import BAD_LINE_REASONS, DataError, check_on_bad_line, dataset_sources, file_digest
+from .render import tokenizer_name
+from .store import Samples, StoreError, TokenStore, open_store, write_store
 
 # Bump when the tokenisation rules change, so stale caches are never reused.
-CACHE_FORMAT = "dflash-data-v2"
-TOKENIZE_CHUNK = 512  # texts per call into the Rust tokenizer (it batches in parallel)
+CACHE_FORMAT = "dflash-data-v3"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
@@ -51,64 +39,6 @@ def load_tokenizer(path):
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-# ------------------------------------------------------------------------- tokenising
-def _loss_mask(offsets: torch.Tensor, spans: list[tuple[int, int]] | None) -> torch.Tensor:
-    """1 on every token that overlaps a supervised character span; all ones when spans is None.
-
-    offsets: [T, 2] character spans of the tokens.
-    """
-    if spans is None:
-        return torch.ones(len(offsets), dtype=torch.long)
-    mask = torch.zeros(len(offsets), dtype=torch.bool)
-    for start, end in spans:
-        mask |= (offsets[:, 1] > start) & (offsets[:, 0] < end)
-    return mask.long()
-
-
-def _render(record: Record, renderer: ChatRenderer | None, last_turn_only: bool):
-    """(text, supervised spans or None for preformatted text)."""
-    if record.text is not None:
-        return record.text, None
-    return renderer.conversation(record, last_turn_only)
-
-
-def _new_stats() -> dict:
-    return {"read": 0, "kept": 0, "dropped_no_pair": 0, "bad_lines_skipped": 0,
-            **{f"skipped_{reason}": 0 for reason in BAD_LINE_REASONS}, "truncated": 0, "tokens": 0,
-            "supervised_tokens": 0}
-
-
-def _tokenize_source(path: Path, tokenizer, *, max_length: int, last_turn_only: bool, on_bad_line: str,
-                     chat_template_kwargs: dict):
-    stats, rendered, renderer = _new_stats(), [], None
-    for location, record in read_records(path, on_bad_line=on_bad_line, stats=stats):
-        if record.messages is not None and renderer is None:  # the template is checked only when needed
-            renderer = ChatRenderer(tokenizer, chat_template_kwargs)
-        try:
-            rendered.append(_render(record, renderer, last_turn_only))
-        except Exception as err:  # noqa: BLE001 - a template may fail in any way on one conversation: a bad line
-            count_bad_line(f"{path} {location}", "unrenderable", err, on_bad_line=on_bad_line, stats=stats)
-
-    samples = []
-    for chunk_start in range(0, len(rendered), TOKENIZE_CHUNK):
-        chunk = rendered[chunk_start:chunk_start + TOKENIZE_CHUNK]
-        encoded = tokenizer([text for text, _ in chunk], add_special_tokens=False, return_offsets_mapping=True)
-        for (_, spans), ids, offsets in zip(chunk, encoded["input_ids"], encoded["offset_mapping"]):
-            ids = torch.tensor(ids, dtype=torch.long)
-            mask = _loss_mask(torch.tensor(offsets, dtype=torch.long).reshape(-1, 2), spans)
-            if len(ids) > max_length:
-                ids, mask = ids[:max_length], mask[:max_length]
-                stats["truncated"] += 1
-            if not bool((mask[:-1] & mask[1:]).any()):  # no anchor with a following label
-                stats["dropped_no_pair"] += 1
-                continue
-            samples.append({"input_ids": ids, "loss_mask": mask})
-            stats["kept"] += 1
-            stats["tokens"] += len(ids)
-            stats["supervised_tokens"] += int(mask.sum())
-    return samples, stats
-
-
 # ------------------------------------------------------------------------- caching
 def _tokenizer_fingerprint(tokenizer) -> str:
     state = tokenizer.backend_tokenizer.to_str() + "\0" + str(tokenizer.chat_template)
@@ -120,51 +50,53 @@ def _cache_key(path: Path, tokenizer, settings: dict) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
-def _save_cache(file: Path, samples: list[dict], stats: dict) -> None:
-    def flat(key, dtype):  # stored narrow: ids fit int32, the mask is 0/1
-        return torch.cat([torch.zeros(0, dtype=dtype)] + [s[key].to(dtype) for s in samples])
-
-    payload = {
-        "input_ids": flat("input_ids", torch.int32),
-        "loss_mask": flat("loss_mask", torch.uint8),
-        "lengths": torch.tensor([len(s["input_ids"]) for s in samples], dtype=torch.long),
-        "stats": stats,
-    }
-    file.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=file.name, suffix=".tmp")
-    os.close(fd)
-    torch.save(payload, tmp)
-    os.replace(tmp, file)  # atomic: concurrent readers see the old file or the whole new one
-
-
-def _load_cache(file: Path) -> tuple[list[dict], dict] | None:
-    """The cached samples and stats, or None (with a warning) when the file is unreadable."""
-    try:
-        payload = torch.load(file, weights_only=True)
-        lengths = payload["lengths"].tolist()
-        ids = payload["input_ids"].long().split(lengths)
-        masks = payload["loss_mask"].long().split(lengths)
-        stats = dict(payload["stats"])
-    except Exception as err:  # noqa: BLE001 - a torn or foreign file fails in many ways; it is rebuilt
-        warnings.warn(f"tokenised cache {file} is unreadable ({type(err).__name__}: {err}); rebuilding it",
-                      stacklevel=3)
+def _open_cached(directory: Path) -> TokenStore | None:
+    """The cached store, or None (with a warning when one is there but unusable: it is rebuilt)."""
+    if not directory.exists():
         return None
-    return [{"input_ids": i, "loss_mask": m} for i, m in zip(ids, masks)], stats
+    try:
+        return open_store(directory)
+    except (StoreError, OSError, KeyError, TypeError) as err:  # torn, truncated or foreign: rebuilt, never used
+        warnings.warn(f"tokenised store {directory} is unusable ({err}); rebuilding it", stacklevel=3)
+        return None
+
+
+def _source_store(path: Path, tokenizer, settings: dict, cache_dir, num_proc: int, progress) -> TokenStore:
+    """One source's samples: from its cached store, or tokenised (and cached when cache_dir is set)."""
+    directory = Path(cache_dir) / _cache_key(path, tokenizer, settings) if cache_dir else None
+    store = _open_cached(directory) if directory is not None else None
+    if store is not None:
+        return store
+    chunks, stats = tokenize_source(path, tokenizer, settings, num_proc=num_proc, progress=progress)
+    if directory is None:
+        return TokenStore.from_chunks(list(chunks), stats())
+    write_store(directory, chunks, stats)
+    return open_store(directory)
+
+
+def _add_stats(totals: dict, stats: dict) -> None:
+    for key, value in stats.items():
+        totals[key] = totals.get(key, 0) + value if isinstance(value, int) else totals.get(key, value)
 
 
 # ------------------------------------------------------------------------- public loader
 def load_samples(paths, tokenizer, *, max_length: int, last_turn_only: bool = False, on_bad_line: str = "fail",
-                 cache_dir=None, chat_template_kwargs: dict | None = None) -> tuple[list[dict], dict]:
+                 cache_dir=None, chat_template_kwargs: dict | None = None, drop_duplicates: bool = False,
+                 num_proc: int = 1, progress=None) -> tuple[Samples, dict]:
     """Tokenise local chat datasets into training samples.
 
     paths: a path or a list of them, each a file, a datasets directory or a directory of files
     (records.dataset_sources). chat_template_kwargs go to every apply_chat_template call (e.g.
-    {"enable_thinking": False}).
-    Returns (samples, stats): samples are dicts of `input_ids` and `loss_mask` LongTensors [S_i];
+    {"enable_thinking": False}). num_proc: processes that render and tokenise a large source
+    (parallel.py); progress(done, total) is called as records are tokenised (total None when unknown).
+    Returns (samples, stats): samples is a sequence (store.Samples) whose items are dicts of
+    `input_ids` and `loss_mask` LongTensors [S_i], with `lengths` an array of their lengths;
     stats counts read, kept, dropped_no_pair, bad_lines_skipped (and per reason skipped_<reason>),
     truncated, tokens and supervised_tokens over all sources, plus first_bad_line (where and why)
-    when a line was skipped; read == kept + dropped_no_pair + bad_lines_skipped. Each source's
-    result is cached under cache_dir, keyed by its bytes, the tokenizer and the settings.
+    when a line was skipped; read == kept + dropped_no_pair + dropped_duplicate + bad_lines_skipped.
+    drop_duplicates keeps only the first of samples with equal ids and masks (in any sources),
+    counted in dropped_duplicate. Each source's result is a token store (store.py) cached under
+    cache_dir, keyed by its bytes, the tokenizer and the settings; readers memory-map it.
     """
     if max_length < 2:
         raise ValueError(f"max_length must be at least 2, got {max_length}")
@@ -180,18 +112,19 @@ def load_samples(paths, tokenizer, *, max_length: int, last_turn_only: bool = Fa
     settings = {"max_length": max_length, "last_turn_only": last_turn_only, "on_bad_line": on_bad_line,
                 "chat_template_kwargs": kwargs}
     sources = dataset_sources(paths)
-    samples, totals = [], {}
+    stores, totals = [], {}
     for path in sources:
-        cache_file = Path(cache_dir) / f"{_cache_key(path, tokenizer, settings)}.pt" if cache_dir else None
-        cached = _load_cache(cache_file) if cache_file is not None and cache_file.is_file() else None
-        if cached is None:
-            cached = _tokenize_source(path, tokenizer, **settings)
-            if cache_file is not None:
-                _save_cache(cache_file, *cached)
-        samples += cached[0]
-        for key, value in cached[1].items():
-            totals[key] = totals.get(key, 0) + value if isinstance(value, int) else totals.get(key, value)
-    if not samples:
+        stores.append(_source_store(path, tokenizer, settings, cache_dir, num_proc, progress))
+        _add_stats(totals, stores[-1].stats)
+    samples = Samples(stores)
+    if drop_duplicates:   # the counts of the copies left out are taken off (they are few: no pass over the rest)
+        kept, dropped = samples.without_duplicates()
+        totals["dropped_duplicate"] = len(dropped)
+        totals["kept"] -= len(dropped)
+        totals["tokens"] -= int(samples.lengths[dropped].sum())
+        totals["supervised_tokens"] -= sum(int(samples[int(k)]["loss_mask"].sum()) for k in dropped)
+        samples = kept
+    if not len(samples):
         raise DataError(f"no usable samples in {[str(p) for p in sources]} after filtering: {totals}")
     return samples, totals
 
@@ -204,6 +137,8 @@ def describe_drops(stats: dict) -> str:
                if stats.get(f"skipped_{reason}")]
     if stats.get("dropped_no_pair"):
         reasons.append(f"{stats['dropped_no_pair']} with fewer than two supervised tokens")
+    if stats.get("dropped_duplicate"):
+        reasons.append(f"{stats['dropped_duplicate']} duplicates of an earlier record")
     line = f"kept {stats.get('kept', 0)} of {stats.get('read', 0)} records, dropped {dropped}"
     line += f" ({', '.join(reasons)})" if reasons else ""
     if stats.get("truncated"):

@@ -102,8 +102,10 @@ class DataSettings:
     on_bad_line: str = knob("fail", "a malformed record: fail (naming file and line) | skip (counted)",
                             choices=BAD_LINE)
     eval_fraction: float = knob(0.05, "held-out share of the samples", ge=0, lt=1)
-    cache_dir: str = knob(".cache/tokenized", "tokenised-data cache (keyed by file bytes, tokenizer, settings)",
-                          nonempty=True)
+    drop_duplicates: bool = knob(True, "drop a record whose tokens and mask equal an earlier record's (counted)")
+    cache_dir: str = knob(".cache/tokenized", "token stores (keyed by file bytes, tokenizer, settings); "
+                                              "launcher.prepare fills it before a job", nonempty=True)
+    num_proc: int = knob(0, "processes tokenising a large dataset file; 0: this node's cores", ge=0)
 
 
 @dataclass

@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import math
 import os
 import queue
 import socket
@@ -111,10 +112,12 @@ class Heartbeat:
         self._on_stage, self._on_stall = on_stage, on_stall
         self._lock = threading.Lock()   # the beat counter, bumped by this thread and the beat thread
         self._beat, self._stage, self._stage_t0 = 0, "starting", time.monotonic()
+        self._note: str | None = None   # progress inside the stage (e.g. records tokenised)
         self._seen: dict[int, _Seen] = {}
         self._records: dict[int, dict] = {}     # each peer's last record read
         self._waiting_at: str | None = None     # the meeting point this rank waits at, if any
         self.stalled: PeerStalled | None = None   # the last stall the watch found
+        self._notes: dict[int, tuple[str | None, float]] = {}   # a peer's last note and when it changed
         self._stop = threading.Event()
         self._answered(self._publish)
         self._thread = threading.Thread(target=self._beat_loop, name="heartbeat", daemon=True)
@@ -139,7 +142,7 @@ class Heartbeat:
         """This rank now does `name` (one of STARTUP_STAGES); peers see it at once."""
         if name not in STARTUP_STAGES:
             raise ValueError(f"unknown start-up stage {name!r}: one of {STARTUP_STAGES}")
-        self._stage, self._stage_t0 = name, time.monotonic()
+        self._stage, self._stage_t0, self._note = name, time.monotonic(), None
         log.info("stage: %s", name)
         self._answered(self._publish)
         if self._on_stage is not None:
@@ -149,10 +152,15 @@ class Heartbeat:
         with self._lock:
             self._beat += 1
             return json.dumps({"beat": self._beat, "stage": self._stage, "stage_s": time.monotonic() - self._stage_t0,
-                               "host": socket.gethostname(), "pid": os.getpid()})
+                               "host": socket.gethostname(), "pid": os.getpid(), "note": self._note})
 
     def _publish(self, timeout_s: float | None = None) -> None:
         self._store.call("set", f"beat/{self.rank}", self._next_record(), timeout_s=timeout_s)
+
+    def note(self, text: str) -> None:
+        """Progress inside this stage; the next beat publishes it. A peer whose note keeps changing is
+        waited for beyond run.startup_timeout_s (a long tokenisation that is getting on)."""
+        self._note = text
 
     def _beat_loop(self) -> None:
         while not self._stop.wait(self.interval):
@@ -282,11 +290,23 @@ class Heartbeat:
         return f"rank {rank} ({self.roles[rank]}{where}, logs/{self.roles[rank]}{rank}.log)"
 
     def _still_busy(self, point: str, pending: list[int], waited: float) -> None:
-        if not pending:
+        now = time.monotonic()
+        stuck = [rank for rank in pending if not self._progressing(rank, now)]
+        if not stuck:
             return
-        rank = pending[0]
+        rank = stuck[0]
         record = self._answered(self._record, rank)
         stage = record["stage"] if record else "starting"
         raise PeerStalled(f"{self._who(rank)} is alive but still at stage {stage} after rank "
                           f"{self.rank} waited {waited:.0f} s at '{point}' (run.startup_timeout_s="
                           f"{self.startup_timeout_s:g}; raise it if loading or compiling is this slow)")
+
+    def _progressing(self, rank: int, now: float) -> bool:
+        """The rank's progress note changed within the last run.startup_timeout_s (its end counts as a
+        change: the stage after a long tokenisation gets its own run.startup_timeout_s)."""
+        record = self._answered(self._record, rank)
+        note = record.get("note") if record else None
+        last = self._notes.get(rank)
+        if last is None or last[0] != note:
+            self._notes[rank] = (note, now if last is not None or note is not None else -math.inf)
+        return now - self._notes[rank][1] <= self.startup_timeout_s

@@ -6,29 +6,26 @@ import random
 import time
 
 import torch
-from omegaconf import OmegaConf
 
-from dflash_core.data import MicroBatchSource, describe_drops, drop_warning, load_samples, load_tokenizer
+from dflash_core.data import MicroBatchSource, describe_drops, drop_warning, load_tokenizer
 from dflash_core.target import CapturingTarget, load_target, random_target
 from launcher.config import ConfigError
 from launcher.context import Context
+from launcher.dataset import load_run_samples
 from launcher.distributed.channel import HIDDEN_DTYPE, Sender
 from launcher.distributed.schedule import TRAIN
-from launcher.resolve import Job, dataset_paths
+from launcher.resolve import Job
 from launcher.roles.fault import maybe_fail
 from launcher.run_io.rundir import SeqLog
 
 log = logging.getLogger("dflash")
 
 
-def build_sources(job: Job) -> tuple[MicroBatchSource, MicroBatchSource | None, dict]:
-    """The train and held-out micro-batch sources every target unit serves (identical on every rank)."""
+def build_sources(job: Job, progress=None) -> tuple[MicroBatchSource, MicroBatchSource | None, dict]:
+    """The train and held-out micro-batch sources every target unit serves (identical on every rank).
+    progress(done, total) is called while records are tokenised (not when the stores are prepared)."""
     cfg = job.cfg
-    tokenizer = load_tokenizer(job.tokenizer_dir)
-    samples, stats = load_samples(
-        dataset_paths(cfg.data.paths, "data.paths"), tokenizer, max_length=cfg.data.max_length,
-        last_turn_only=cfg.data.last_turn_only, on_bad_line=cfg.data.on_bad_line, cache_dir=cfg.data.cache_dir,
-        chat_template_kwargs=OmegaConf.to_container(cfg.data.chat_template_kwargs))
+    tokenizer, samples, stats = load_run_samples(cfg, load_tokenizer(job.tokenizer_dir), progress)
     order = list(range(len(samples)))
     random.Random(cfg.run.seed).shuffle(order)
     num_eval = 0
@@ -37,8 +34,7 @@ def build_sources(job: Job) -> tuple[MicroBatchSource, MicroBatchSource | None, 
     if num_eval >= len(samples):
         raise ConfigError(f"data.eval_fraction={cfg.data.eval_fraction} leaves no training sample "
                           f"out of {len(samples)}")
-    held_out = [samples[i] for i in order[:num_eval]]
-    train = [samples[i] for i in order[num_eval:]]
+    held_out, train = samples.subset(order[:num_eval]), samples.subset(order[num_eval:])
     stats.update(train_samples=len(train), eval_samples=len(held_out))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -48,6 +44,13 @@ def build_sources(job: Job) -> tuple[MicroBatchSource, MicroBatchSource | None, 
                                 fixed_length=cfg.data.fixed_length, packing=packing)
     # Held-out evaluation stays per conversation (unpacked), so its tau is comparable across settings.
     return source(train, job.packing), (source(held_out, False) if held_out else None), stats
+
+
+def _tokenising_note(ctx: Context):
+    """Tokenising progress into this rank's heartbeat: peers wait past run.startup_timeout_s while it moves."""
+    def note(done: int, total: int | None) -> None:
+        ctx.progress.note(f"tokenised {done}" + (f" of {total}" if total else "") + " records")
+    return note
 
 
 def load_capturing_target(ctx: Context) -> CapturingTarget:
@@ -98,7 +101,7 @@ def run_target(ctx: Context) -> dict:
     ctx.progress.stage("tokenising")
     if ctx.rank != 0:
         ctx.progress.wait_for("data_cached", [0])
-    train_source, eval_source, data_stats = build_sources(job)
+    train_source, eval_source, data_stats = build_sources(job, progress=_tokenising_note(ctx))
     if ctx.rank == 0:
         ctx.progress.arrive("data_cached")
     log.info("data: %s", data_stats)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_core.durable import fsync_path
 from dflash_core.readers import load_torch, read_json
 
 log = logging.getLogger("dflash")
@@ -38,14 +39,6 @@ POINTER = "latest"
 
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written; the message names the path and the cause."""
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_file(path: Path, data: bytes) -> None:
@@ -70,7 +63,7 @@ def _replace_atomically(path: Path, data: bytes) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def rng_state() -> dict:
@@ -177,11 +170,11 @@ def save(root: Path, step: int, state: dict, keep: int, record: dict | None = No
         _write_state(tmp / "state.pt", state)
         meta = {"step": step, "lineage": lineage, "saved": time.time(), **(record or {})}
         _write_file(tmp / "meta.json", json.dumps(meta).encode())
-        _fsync_dir(tmp)
+        fsync_path(tmp)
         if final.exists():   # this lineage re-saving a step (after falling back from a broken one)
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_path(root)
         _replace_atomically(root / POINTER, final.name.encode())
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)

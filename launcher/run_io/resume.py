@@ -19,13 +19,16 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from dflash_core.data.records import file_fingerprint
 from dflash_core.families import text_config
-from launcher.resolve import Job
+from launcher.resolve import Job, dataset_paths
 from launcher.run_io import checkpoint
 
 log = logging.getLogger("dflash")
 # Keys that name this launch, not what is trained.
 _PER_LAUNCH = ("run.dir", "run.resume", "fault.")
+# Data keys that do not change which samples the stream holds (packing is recorded resolved).
+_NOT_STREAM = ("cache_dir", "packing", "num_proc")
 
 
 class ResumeError(ValueError):
@@ -72,10 +75,28 @@ def record(job: Job) -> dict:
     stream = {"micro-batches per step": sched.train_per_step, "train.micro_batch_size": cfg.train.micro_batch_size,
               "run.seed": cfg.run.seed, "data.packing": job.packing, "held-out split": sched.eval_batches > 0,
               **{f"data.{key}": OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-                 for key, value in cfg.data.items() if key not in ("cache_dir", "packing")}}
-    return {"model": model, "stream": stream, "split": {"drafter ranks": sched.num_drafters,
+                 for key, value in cfg.data.items() if key not in _NOT_STREAM}}
+    return {"model": model, "stream": stream, "data_files": data_fingerprints(cfg),
+            "split": {"drafter ranks": sched.num_drafters,
                                                         "train.grad_accum": sched.grad_accum},
             "config": _flat(OmegaConf.to_container(cfg, resolve=True))}
+
+
+def data_fingerprints(cfg) -> dict[str, str]:
+    """Each dataset source's content fingerprint (size and sha256 of its bytes), by path: a file
+    replaced under the same path between a run and its resume is told by its content."""
+    return {str(path): file_fingerprint(path) for path in dataset_paths(cfg.data.paths, "data.paths")}
+
+
+def _check_data_files(meta: dict, now: dict, path: Path, step: int) -> None:
+    saved = meta.get("data_files") or {}   # checkpoints written before fingerprints were recorded: not compared
+    changed = [file for file, fingerprint in now["data_files"].items()
+               if file in saved and saved[file] != fingerprint]
+    if changed:
+        raise ResumeError(f"cannot resume from {path} at step {step}: the content of {', '.join(changed)} changed "
+                          f"since the checkpoint was trained on it (same path, other bytes: "
+                          f"checkpoint {saved[changed[0]]}, now {now['data_files'][changed[0]]}); the stream would "
+                          f"go on over data it never started on: restore the file, or start fresh in another run.dir")
 
 
 def _changes(saved: dict, now: dict, skip=()) -> list[str]:
@@ -114,6 +135,7 @@ def check(meta: dict, job: Job, path: Path) -> None:
         raise ResumeError(f"cannot resume from {path} at step {step}: {'; '.join(stream)}: "
                           f"{_stream_consequence(meta, now, step)}; resume with the checkpoint's values, or start "
                           f"fresh in another run.dir")
+    _check_data_files(meta, now, path, step)
     others = _changes(meta["config"], now["config"], skip=_PER_LAUNCH + tuple(now["model"]) + tuple(now["stream"]))
     if others:
         log.warning("resuming from %s with changed settings: %s", path, "; ".join(others))

@@ -1,0 +1,238 @@
+"""Records -> tokenised chunks, in this process or spread over a pool of processes.
+
+The main process reads and normalises the records (records.py: bad rows counted or refused
+there) and deals them out in chunks of CHUNK_RECORDS consecutive records; each chunk is rendered
+and tokenised by one worker (ChunkTokenizer) and the chunks are taken back in order, so the
+samples, their order and the statistics are the same whatever the number of processes. The pool
+starts workers with `spawn` (a fork would copy the Rust tokenizer's thread pool and the caller's
+threads); each worker gets the tokenizer once, pickled, at start. Small sources stay in-process:
+starting workers costs seconds.
+"""
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import sys
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from .records import BAD_LINE_REASONS, Record, count_bad_line, read_records
+from .render import ChatRenderer
+from .store import Chunk, sample_hash
+
+CHUNK_RECORDS = 256          # records per task: large enough to amortise pickling, small for an even spread
+TOKENIZE_BATCH = 512         # texts per call into the Rust tokenizer (it batches in parallel)
+PARALLEL_MIN_BYTES = 8 << 20  # smaller sources are tokenised in-process (a pool takes seconds to start)
+IN_FLIGHT_PER_WORKER = 4     # chunks queued per worker: keeps workers busy, bounds memory
+
+
+def new_stats() -> dict:
+    return {"read": 0, "kept": 0, "dropped_no_pair": 0, "bad_lines_skipped": 0,
+            **{f"skipped_{reason}": 0 for reason in BAD_LINE_REASONS}, "truncated": 0, "tokens": 0,
+            "supervised_tokens": 0}
+
+
+def loss_mask(offsets: np.ndarray, spans: list[tuple[int, int]] | None) -> np.ndarray:
+    """uint8 1 on every token that overlaps a supervised character span; all ones when spans is None.
+
+    offsets: int64 [T, 2] character spans of the tokens.
+    """
+    if spans is None:
+        return np.ones(len(offsets), np.uint8)
+    mask = np.zeros(len(offsets), bool)
+    for start, end in spans:
+        mask |= (offsets[:, 1] > start) & (offsets[:, 0] < end)
+    return mask.astype(np.uint8)
+
+
+def _plain_encoder(tokenizer):
+    """The fast tokenizer's Rust tokenizer, set as `tokenizer(texts, add_special_tokens=False)` sets
+    it (no truncation, no padding, its special-token splitting), without the Python-side conversion
+    of every encoding to lists."""
+    from tokenizers import Tokenizer
+    encoder = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    encoder.no_truncation()
+    encoder.no_padding()
+    encoder.encode_special_tokens = bool(getattr(tokenizer, "split_special_tokens", False))
+    return encoder
+
+
+class ChunkTokenizer:
+    """Renders and tokenises chunks of records with one tokenizer and the loader's settings."""
+
+    def __init__(self, tokenizer, settings: dict):
+        self.tokenizer, self.settings, self._renderer = tokenizer, settings, None
+        self._encoder = _plain_encoder(tokenizer)
+
+    def _render(self, record: Record) -> tuple[str, list[tuple[int, int]] | None]:
+        """(text, supervised spans or None for preformatted text)."""
+        if record.text is not None:
+            return record.text, None
+        if self._renderer is None:  # the template is checked only when a conversation needs it
+            self._renderer = ChatRenderer(self.tokenizer, self.settings["chat_template_kwargs"])
+        return self._renderer.conversation(record, self.settings["last_turn_only"])
+
+    def __call__(self, path: str, first: int, items: list[tuple[str, Record]]) -> tuple[Chunk, dict, tuple | None]:
+        """(the chunk's samples, its stats, (ordinal, message) of its first skipped record or None);
+        `first` is the ordinal of the chunk's first record in its source."""
+        stats, rendered, first_bad = {}, [], None
+        for ordinal, (location, record) in enumerate(items, start=first):
+            try:
+                rendered.append(self._render(record))
+            except Exception as err:  # noqa: BLE001 - a template may fail in any way on one conversation: a bad line
+                count_bad_line(f"{path} {location}", "unrenderable", err, on_bad_line=self.settings["on_bad_line"],
+                               stats=stats)
+                message = stats.pop("first_bad_line")  # the source's first is chosen when the chunks merge
+                first_bad = first_bad or (ordinal, message)
+        max_length = self.settings["max_length"]
+        ids_out, mask_out, lengths, hashes = [], [], [], []
+        for start in range(0, len(rendered), TOKENIZE_BATCH):
+            batch = rendered[start:start + TOKENIZE_BATCH]
+            for (_, spans), encoding in zip(batch, self._encoder.encode_batch([text for text, _ in batch],
+                                                                              add_special_tokens=False)):
+                ids, offsets = np.asarray(encoding.ids, np.int32), encoding.offsets
+                mask = loss_mask(np.fromiter(itertools.chain.from_iterable(offsets), np.int64, 2 * len(offsets))
+                                 .reshape(-1, 2), spans)
+                if len(ids) > max_length:
+                    ids, mask = ids[:max_length], mask[:max_length]
+                    stats["truncated"] = stats.get("truncated", 0) + 1
+                if not bool((mask[:-1] & mask[1:]).any()):  # no anchor with a following label
+                    stats["dropped_no_pair"] = stats.get("dropped_no_pair", 0) + 1
+                    continue
+                ids_out.append(ids)
+                mask_out.append(mask)
+                lengths.append(len(ids))
+                hashes.append(sample_hash(ids, mask))
+                stats["supervised_tokens"] = stats.get("supervised_tokens", 0) + int(mask.sum())
+        stats["kept"], stats["tokens"] = len(lengths), int(sum(lengths))
+        chunk = Chunk(np.concatenate([np.zeros(0, np.int32), *ids_out]), np.concatenate([np.zeros(0, np.uint8),
+                                                                                         *mask_out]),
+                      np.asarray(lengths, np.int64), np.asarray(hashes, np.uint64))
+        return chunk, stats, first_bad
+
+
+# ------------------------------------------------------------------------- the pool
+_WORKER: ChunkTokenizer | None = None
+
+
+def _start_worker(tokenizer, settings: dict) -> None:
+    global _WORKER
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one process, one core: the pool is the parallelism
+    _WORKER = ChunkTokenizer(tokenizer, settings)
+
+
+def _run_in_worker(path: str, first: int, items: list) -> tuple[Chunk, dict, tuple | None]:
+    return _WORKER(path, first, items)
+
+
+def default_num_proc() -> int:
+    """This node's cores available to this process."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _source_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+
+
+def _count_records(path: Path) -> int | None:
+    """How many rows a .jsonl file has (non-empty lines), for the progress bar; None for other formats."""
+    if path.suffix.lower() != ".jsonl":
+        return None
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+class _Progress:
+    """A progress bar on stderr (conversations/s, ETA) for a large source, and the caller's callback."""
+
+    def __init__(self, path: Path, total: int | None, callback: Callable | None, show: bool):
+        self.total, self.callback, self.done = total, callback, 0
+        self.bar = None
+        if show:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, unit=" conversations", desc=f"tokenising {path.name}", file=sys.stderr,
+                            mininterval=2.0, dynamic_ncols=True)
+
+    def advance(self, records: int) -> None:
+        self.done += records
+        if self.bar is not None:
+            self.bar.update(records)
+        if self.callback is not None:
+            self.callback(self.done, self.total)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def tokenize_source(path: Path, tokenizer, settings: dict, *, num_proc: int = 1,
+                    progress: Callable[[int, int | None], None] | None = None
+                    ) -> tuple[Iterator[Chunk], Callable[[], dict]]:
+    """(the source's chunks of samples in record order, a function giving its stats once the chunks
+    are exhausted). num_proc > 1 spreads a large source over that many processes."""
+    stats, read_first_bad = new_stats(), [None]
+    large = _source_size(path) >= PARALLEL_MIN_BYTES
+    workers = max(1, num_proc) if large else 1
+    bar = _Progress(path, _count_records(path) if large else None, progress, show=large)
+    bad_results: list[tuple[int, str]] = []
+
+    def read_chunks() -> Iterator[tuple[int, list]]:
+        rows = read_records(path, on_bad_line=settings["on_bad_line"], stats=stats)
+        ordinal = 0
+        while True:
+            items = []
+            for location, record in itertools.islice(rows, CHUNK_RECORDS):
+                if "first_bad_line" in stats and read_first_bad[0] is None:  # a read-stage bad row just before
+                    read_first_bad[0] = (ordinal + len(items) - 0.5, stats["first_bad_line"])
+                items.append((location, record))
+            if "first_bad_line" in stats and read_first_bad[0] is None:
+                read_first_bad[0] = (ordinal + len(items) - 0.5, stats["first_bad_line"])
+            if not items:
+                return
+            yield ordinal, items
+            ordinal += len(items)
+
+    def merge(result: tuple[Chunk, dict, tuple | None], records: int) -> Chunk:
+        chunk, chunk_stats, first_bad = result
+        for key, value in chunk_stats.items():
+            stats[key] = stats.get(key, 0) + value
+        if first_bad is not None:
+            bad_results.append(first_bad)
+        bar.advance(records)
+        return chunk
+
+    def chunks() -> Iterator[Chunk]:
+        try:
+            if workers == 1:
+                work = ChunkTokenizer(tokenizer, settings)
+                for first, items in read_chunks():
+                    yield merge(work(str(path), first, items), len(items))
+                return
+            context = multiprocessing.get_context("spawn")
+            with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
+                                     initargs=(tokenizer, settings)) as pool:
+                pending: deque = deque()
+                for first, items in read_chunks():
+                    pending.append((pool.submit(_run_in_worker, str(path), first, items), len(items)))
+                    while len(pending) >= workers * IN_FLIGHT_PER_WORKER:
+                        future, count = pending.popleft()
+                        yield merge(future.result(), count)
+                while pending:
+                    future, count = pending.popleft()
+                    yield merge(future.result(), count)
+        finally:
+            bar.close()
+
+    def final_stats() -> dict:
+        candidates = bad_results[:1] + ([read_first_bad[0]] if read_first_bad[0] else [])
+        stats.pop("first_bad_line", None)
+        if candidates:
+            stats["first_bad_line"] = min(candidates)[1]
+        return dict(stats)
+
+    return chunks(), final_stats
