@@ -201,8 +201,8 @@ def run(overrides: list[str]) -> int:
                 "prompts": summary["prompts"], "data": OmegaConf.to_container(ev.data) if OmegaConf.is_config(ev.data)
                 else ev.data, "max_new_tokens": ev.max_new_tokens, "lossless": summary["lossless"]}, engine=engine)
         else:
-            log.warning("the model card of %s keeps its earlier %s acceptance length %.3f (evaluate.overwrite=true "
-                        "replaces it)", ev.drafter, engine, earlier)
+            log.warning("the model card of %s keeps its earlier acceptance length %.3f (engine %s; "
+                        "evaluate.overwrite=true replaces it)", ev.drafter, earlier, engine)
         print(acceptance_comparison(read_card_info(ev.drafter)))
     return 0
 

@@ -163,7 +163,10 @@ def test_a_rank_stopped_during_start_up_is_named_within_the_timeout(tmp_path, ti
         wait_for(lambda: drafter_log.exists() and "ERROR" in drafter_log.read_text() or job.poll() is not None, 240,
                  "the drafter to name the stopped target")
         error = next(line for line in drafter_log.read_text().splitlines() if "ERROR" in line)
-        assert "PeerStalled: rank 0 (target on host" in error and named in error, error
+        # Host and pid only when this rank read rank 0's record before it stopped: under load the drafter may
+        # start watching after the stop, and a stopped store host answers nothing.
+        assert re.search(r"PeerStalled: rank 0 \(target(, | on host \S+ pid \d+, )logs/target0.log\)", error), error
+        assert named in error, error
         stopped = next(line for line in target_log.read_text().splitlines() if f"stage: {stage}" in line)
         # Named after run.timeout_s of silence, within the watch's delay (3 beats of 1 s) and 10 s for a loaded host.
         assert timeout_s - 1 <= _clock_s(error) - _clock_s(stopped) <= timeout_s + 3 + 10, (stopped, error)

@@ -232,7 +232,7 @@ class Heartbeat:
     def _last_stage(self, rank: int) -> str:
         record = self._records.get(rank)
         return (f"its last stage: {record['stage']} ({record['stage_s']:.0f} s in it)" if record
-                else "it never reported a stage")
+                else "this rank read no record of it (it stopped before this rank's first look, or never began)")
 
     # --------------------------------------------------------------------------- meeting peers
     def arrive(self, point: str) -> None:
