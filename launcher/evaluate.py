@@ -1,6 +1,6 @@
 """`python -m launcher.evaluate evaluate.drafter=DIR key=value ...`: real acceptance length.
 
-Greedy speculative decoding (dflash_core.speculative) of chat prompts with the target and a
+Greedy speculative decoding (dflash_core.serving.speculative) of chat prompts with the target and a
 drafter (an exported HF directory or a training checkpoint). Prints a table and writes a
 JSON result. One process, batch size 1; under torchrun only rank 0 works.
 """
@@ -14,9 +14,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from dflash_core.export import CONFIG_NAME
-from dflash_core.model_card import acceptance_comparison, acceptance_key, read_card_info, record_acceptance_length
-from dflash_core.readers import read_json
+from dflash_core.files.readers import read_json
+from dflash_core.serving.export import CONFIG_NAME
+from dflash_core.serving.model_card import (
+    acceptance_comparison,
+    acceptance_key,
+    read_card_info,
+    record_acceptance_length,
+)
 from launcher.config import ConfigError, compose_config, require
 from launcher.resolve import compute_dtype, dataset_paths, ensure_embedded_target, resolve_device, target_dir
 from launcher.serving.acceptance import per_position_from_steps, prompt_row, summarize
@@ -34,9 +39,9 @@ def load_drafter(path, *, device=None, dtype=None):
     """A DFlashDrafter from an exported HF directory (config.json) or a training checkpoint
     directory (meta.json + state.pt), in eval mode. Non-finite weights (a diverged run) are refused:
     they would "draft" nothing and report a meaningless acceptance length."""
-    from dflash_core.export import CONFIG_NAME, load_exported
-    from dflash_core.finite import check_finite
-    from dflash_core.model import DFlashDrafter, DrafterConfig
+    from dflash_core.drafter.model import DFlashDrafter, DrafterConfig
+    from dflash_core.serving.export import CONFIG_NAME, load_exported
+    from dflash_core.serving.finite import check_finite
     from launcher.run_io import checkpoint
 
     path = Path(path)
@@ -59,8 +64,8 @@ def check_fits_target(ev: DictConfig, drafter_config, target_path: Path) -> None
     would run and report a meaningless tau."""
     from transformers import AutoConfig
 
-    from dflash_core.model_card import other_target
-    from dflash_core.speculative import pair_mismatches
+    from dflash_core.serving.model_card import other_target
+    from dflash_core.serving.speculative import pair_mismatches
     from launcher.export import run_facts
 
     found, remedy = pair_mismatches(drafter_config, AutoConfig.from_pretrained(target_path)), ""
@@ -93,8 +98,8 @@ def load_prompts(paths, tokenizer, num_prompts: int, *, max_prompt_tokens: int,
                  chat_template_kwargs: dict | None = None) -> tuple[list[list[int]], dict]:
     """Token ids of the first num_prompts prompts that fit max_prompt_tokens: each conversation
     without its last assistant turn (prompt-only records as they are), rendered like training
-    data (dflash_core.prompts)."""
-    from dflash_core.prompts import encode_prompts, iter_prompts
+    data (dflash_core.data.prompts)."""
+    from dflash_core.data.prompts import encode_prompts, iter_prompts
 
     skipped = {}
     prompts = encode_prompts(tokenizer, iter_prompts(paths, stats=skipped), max_tokens=max_prompt_tokens,
@@ -109,9 +114,9 @@ def evaluate(cfg: DictConfig) -> dict:
     from transformers.utils import logging as hf_logging
 
     from dflash_core.data import load_tokenizer
-    from dflash_core.prompts import stop_token_ids
-    from dflash_core.speculative import greedy_decode, speculative_generate
-    from dflash_core.target import check_target_files
+    from dflash_core.data.prompts import stop_token_ids
+    from dflash_core.serving.speculative import greedy_decode, speculative_generate
+    from dflash_core.target.capture import check_target_files
 
     ev = cfg.evaluate
     template_kwargs = OmegaConf.to_container(ev.chat_template_kwargs)

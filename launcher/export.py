@@ -6,9 +6,9 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from dflash_core.export import export_drafter
-from dflash_core.model import DFlashDrafter, DrafterConfig
-from dflash_core.model_card import TARGET_IDENTITY, target_identity
+from dflash_core.drafter.model import DFlashDrafter, DrafterConfig
+from dflash_core.serving.export import export_drafter
+from dflash_core.serving.model_card import TARGET_IDENTITY, target_identity
 from launcher.config import ConfigError, compose_config
 from launcher.run_io import checkpoint
 

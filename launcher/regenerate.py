@@ -9,7 +9,7 @@ in input order into the output JSONL (temp file, then rename). Part files surviv
 rerun with the same settings and world size answers only what is missing.
 
 Output records: {"id", "conversations": [...the prompt's turns..., {"role": "assistant", "content"}]}, plus the
-input's "tools" when it has them. Prompts render like training data (dflash_core.prompts).
+input's "tools" when it has them. Prompts render like training data (dflash_core.data.prompts).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from dflash_core.data import file_digest
-from dflash_core.prompts import Prompt, encode_prompts, iter_prompts, stop_token_ids
+from dflash_core.data.prompts import Prompt, encode_prompts, iter_prompts, stop_token_ids
 from launcher.config import ConfigError, compose_config, require
 from launcher.resolve import compute_dtype, dataset_paths, ensure_embedded_target, resolve_device, target_dir
 from launcher.run_io.rundir import log, setup_logging
@@ -79,7 +79,7 @@ def tokenize_prompts(cfg: DictConfig, tokenizer, prompts: list[Prompt]) -> tuple
 
 
 _INPUT_SKIPS = {"bad_lines_skipped": "malformed", "no_conversation": "with no turns (preformatted text)",
-                "no_prompt": "with nothing to answer"}   # dflash_core.prompts.iter_prompts' counts
+                "no_prompt": "with nothing to answer"}   # dflash_core.data.prompts.iter_prompts' counts
 
 
 def every_prompt_skipped(cfg: DictConfig, stats: dict, shares: list[dict]) -> ConfigError:
@@ -219,7 +219,7 @@ def run(overrides: list[str]) -> int:
     from transformers import AutoModelForCausalLM
 
     from dflash_core.data import load_tokenizer
-    from dflash_core.target import check_target_files
+    from dflash_core.target.capture import check_target_files
 
     device = resolve_device(r.device, "regenerate.device", int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cuda":

@@ -14,12 +14,12 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from dflash_core.attention import FLEX_BACKENDS, resolve_backend
-from dflash_core.families import text_config
-from dflash_core.model import DrafterConfig
-from dflash_core.objective import default_gamma
-from dflash_core.target import check_target_files
-from dflash_core.tiny import BUNDLED_DATASET, first_unused_token_id
+from dflash_core.drafter.attention import FLEX_BACKENDS, resolve_backend
+from dflash_core.drafter.model import DrafterConfig
+from dflash_core.loss.objective import default_gamma
+from dflash_core.target.capture import check_target_files
+from dflash_core.target.families import drafter_config_for_target, text_config
+from dflash_core.target.tiny import BUNDLED_DATASET, first_unused_token_id
 from launcher.config import ConfigError
 from launcher.distributed.schedule import Schedule
 from launcher.distributed.topology import Topology
@@ -53,7 +53,7 @@ class TargetPlan:
 
 @dataclass(frozen=True)
 class StepSettings:
-    """The keyword arguments of dflash_core.objective.drafter_step (and evaluate_tau's subset)."""
+    """The keyword arguments of dflash_core.loss.objective.drafter_step (and evaluate_tau's subset)."""
     num_anchors: int
     loss_type: str
     gamma: float
@@ -89,7 +89,7 @@ class Job:
 def ensure_embedded_target(cfg: DictConfig, seed: int) -> None:
     """Build the embedded tiny target at target.path when the config asks for it and it is missing."""
     if cfg.target.build_tiny and not Path(cfg.target.path).is_dir():
-        from dflash_core.tiny import build_tiny_target
+        from dflash_core.target.tiny import build_tiny_target
         log.warning("building the embedded tiny %s target at %s", cfg.target.tiny_family, cfg.target.path)
         build_tiny_target(cfg.target.path, seed=seed, family=cfg.target.tiny_family)
 
@@ -154,7 +154,7 @@ def drafter_config(cfg: DictConfig, hf_config) -> DrafterConfig:
     ids = list(cfg.drafter.target_layer_ids) if cfg.drafter.target_layer_ids is not None else None
     overrides = {key: (list(value) if key == "layer_types" else value)
                  for key in _SHAPE_OVERRIDES if (value := cfg.drafter.get(key)) is not None}
-    return DrafterConfig.from_target(hf_config, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
+    return drafter_config_for_target(hf_config, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
                                      mask_token_id=int(mask_token_id), target_layer_ids=ids, **overrides)
 
 
@@ -168,7 +168,7 @@ def compile_plan(cfg: DictConfig, backend: str, device: torch.device, hf_config)
     whenever the length is static), so no target waits on a first-step compilation. Compile the
     target's layers (auto: on GPU at a static length, unless the family has recurrent layers whose
     per-document regrouping has data-dependent shapes)."""
-    from dflash_core.families import family_of
+    from dflash_core.target.families import family_of
     static = cfg.data.fixed_length is not None
     compiled = backend in FLEX_BACKENDS and static if cfg.drafter.compile == "auto" else bool(cfg.drafter.compile)
     warm_up = static if cfg.run.warm_up == "auto" else bool(cfg.run.warm_up) and static
@@ -187,7 +187,7 @@ def compile_plan(cfg: DictConfig, backend: str, device: torch.device, hf_config)
 def packing(cfg: DictConfig, hf_config) -> bool:
     """data.packing, or by default: on whenever rows have one fixed length; refused (naming why) for
     a target whose packed capture is not exact."""
-    from dflash_core.families import packing_supported
+    from dflash_core.target.families import packing_supported
     wanted = cfg.data.fixed_length is not None if cfg.data.packing is None else bool(cfg.data.packing)
     if wanted and cfg.data.fixed_length is None:
         raise ConfigError("data.packing=True: needs data.fixed_length (the row length documents are packed into)")
@@ -202,9 +202,9 @@ def packing(cfg: DictConfig, hf_config) -> bool:
 
 def target_attention(packed: bool, device: torch.device, hf_config) -> str | None:
     """Packed rows on GPU, in a family with plain causal attention: flash attention's variable-length
-    kernel per document (dflash_core.packing.varlen_attention) rather than a dense block-diagonal
+    kernel per document (dflash_core.target.packing.varlen_attention) rather than a dense block-diagonal
     mask, which computes every document pair and misses the causal kernels."""
-    from dflash_core.families import VARLEN, family_of
+    from dflash_core.target.families import VARLEN, family_of
     return VARLEN if packed and device.type == "cuda" and family_of(hf_config).varlen else None
 
 

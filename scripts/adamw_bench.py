@@ -11,12 +11,12 @@ so its floor is 28 bytes x parameters / the HBM bandwidth (4.8 TB/s on H200). Va
   compiled     torch.compile of a capturable foreach AdamW step with a tensor learning rate (no recompiles)
   overlapped   the fused update on a side stream while the compute stream runs the next step's forward
                GEMMs (layer shapes, 8192 query rows): how much of the update such an overlap would hide
-  one_pass_*   dflash_core.fused_adamw (the trainer's update) at several tile sizes, and its largest
+  one_pass_*   dflash_core.kernels.fused_adamw (the trainer's update) at several tile sizes, and its largest
                difference from the fused update; one_pass_bf16_copies: as the trainer runs it on GPU, bf16
                gradients in and bf16 compute copies out for the matrices (also 28 bytes per weight)
   norm_*       the clip norm over those gradients (bf16 matrices, fp32 vectors; ~2 bytes per weight read):
                torch's `_foreach_norm` with an fp32 result (the trainer's until the tenth session) against
-               dflash_core.fused_adamw.sum_of_squares at a few (elements, tile, warps) per program, and the
+               dflash_core.kernels.fused_adamw.sum_of_squares at a few (elements, tile, warps) per program, and the
                relative difference of the kept one; device time (`_timed_on_device`), since queueing their
                58 small launches takes the host longer than the GPU takes to run them"""
 
@@ -100,11 +100,10 @@ def _overlapped(shapes, device, reps: int, report) -> None:
 
 
 def _one_pass(shapes, device, reps: int, report, scale, skip) -> None:
-    """dflash_core.fused_adamw at a few tile sizes, and its largest difference from the fused update after
+    """dflash_core.kernels.fused_adamw at a few tile sizes, and its largest difference from the fused update after
     three steps on identical copies of the first layer's parameters; then as the trainer runs it on GPU:
     bf16 gradients of the matrices, whose bf16 compute copies it writes (the same 28 bytes per weight)."""
-    from dflash_core import fused_adamw
-
+    from dflash_core.kernels import fused_adamw
     hyper = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
     def one_pass_state(params):
@@ -143,8 +142,7 @@ def _one_pass(shapes, device, reps: int, report, scale, skip) -> None:
 
 
 def _gradient_norm(shapes, device, report, reps: int = 8) -> None:
-    from dflash_core import fused_adamw
-
+    from dflash_core.kernels import fused_adamw
     grads = [torch.randn(s, device=device, dtype=torch.bfloat16 if len(s) == 2 else torch.float32) for s in shapes]
     moved = sum(g.numel() * g.element_size() for g in grads)
 

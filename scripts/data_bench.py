@@ -94,7 +94,7 @@ def cached_start(path: Path | None, tokenizer_dir: Path, cache_dir: Path | None)
     from transformers import AutoTokenizer
 
     from dflash_core.data import MicroBatchSource, load_samples
-    from dflash_core.tiny import BUNDLED_DATASET
+    from dflash_core.target.tiny import BUNDLED_DATASET
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     before, started = resident_mb(), time.perf_counter()
     samples, stats = load_samples(path or BUNDLED_DATASET, tokenizer, max_length=4096, cache_dir=cache_dir,
@@ -159,7 +159,7 @@ def main() -> None:
         return
     tokenizer = options.tokenizer
     if tokenizer is None:
-        from dflash_core.tiny import build_tiny_target
+        from dflash_core.target.tiny import build_tiny_target
         tokenizer = build_tiny_target(options.work / "tiny-target")
     rows = bench([int(s) for s in options.sizes.split(",")], options.procs, options.tokenise_records, tokenizer,
                  options.work)

@@ -5,7 +5,7 @@ configurations (issue 13: flex ran at ~200 TFLOP/s where the GEMMs reach ~790).
 
 Each configuration compiles flex_attention forward + backward with its `kernel_options` and times
 forward alone and forward + backward on the real DFlash BlockMask (sorted random anchors over a
-fully supervised row, `dflash_core.attention.build_attention_mask`). FLOPs are the useful ones:
+fully supervised row, `dflash_core.drafter.attention.build_attention_mask`). FLOPs are the useful ones:
 4 x head_dim x heads per visible (query, key) pair forward, 2.5x that backward (flex recomputes
 QK^T), so the TFLOP/s are comparable with the GEMM ceiling."""
 
@@ -16,8 +16,8 @@ import time
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from dflash_core.anchors import sample_anchors
-from dflash_core.attention import build_attention_mask, dense_mask, interval_block_mask, make_mask_mod
+from dflash_core.drafter.attention import build_attention_mask, dense_mask, interval_block_mask, make_mask_mod
+from dflash_core.loss.anchors import sample_anchors
 
 CONFIGS = {
     "default": {},

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from dflash_core.prompts import Prompt
+from dflash_core.data.prompts import Prompt
 from launcher.bench.counts import H200_HBM_TB_PER_S, SHAPES
 from launcher.regenerate import generate
 

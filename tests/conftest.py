@@ -12,7 +12,7 @@ import tokenizers
 import torch
 import transformers
 
-import dflash_core.tiny as tiny
+import dflash_core.target.tiny as tiny
 from tests.launching import REPO
 
 

@@ -1,5 +1,5 @@
 """Drafter configs the tests share: a small one to vary, and the production Qwen3-8B shape."""
-from dflash_core.model import DrafterConfig
+from dflash_core.drafter.model import DrafterConfig
 
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
              intermediate_size=48, vocab_size=50, block_size=4, target_layer_ids=[0, 1], num_target_layers=2,

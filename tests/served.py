@@ -38,7 +38,7 @@ def require_vllm_env() -> None:
 def evaluation_prompts(target_dir: Path, num_prompts: int = NUM_PROMPTS) -> list[list[int]]:
     """The token ids launcher.evaluate decodes: the first bundled chats without their last answer."""
     from dflash_core.data import load_tokenizer
-    from dflash_core.tiny import BUNDLED_DATASET
+    from dflash_core.target.tiny import BUNDLED_DATASET
     from launcher.evaluate import load_prompts
 
     prompts, _ = load_prompts([BUNDLED_DATASET], load_tokenizer(target_dir), num_prompts,
@@ -50,7 +50,7 @@ def evaluation_prompts(target_dir: Path, num_prompts: int = NUM_PROMPTS) -> list
 def _own_answers(target, prompts, eos) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> input_ids, loss_mask (the answer tokens) and target features [B, S, L*H] of prompt +
     the target's own greedy answer, right-padded."""
-    from dflash_core.speculative import greedy_decode
+    from dflash_core.serving.speculative import greedy_decode
 
     rows = [(ids, greedy_decode(target, ids, MAX_NEW_TOKENS, eos_token_id=eos)) for ids in prompts]
     length = max(len(p) + len(a) for p, a in rows)
@@ -69,12 +69,12 @@ def fit_export(target_dir: Path, out_dir: Path, *, dtype=torch.float32) -> Path:
     answers of the first FIT_PROMPTS evaluation prompts and export it to out_dir."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash_core.export import export_drafter
-    from dflash_core.model import DFlashDrafter, DrafterConfig
-    from dflash_core.objective import drafter_step
-    from dflash_core.prompts import stop_token_ids
-    from dflash_core.speculative import head_from_target
-    from dflash_core.tiny import first_unused_token_id
+    from dflash_core.data.prompts import stop_token_ids
+    from dflash_core.drafter.model import DFlashDrafter, DrafterConfig
+    from dflash_core.loss.objective import drafter_step
+    from dflash_core.serving.export import export_drafter
+    from dflash_core.serving.speculative import head_from_target
+    from dflash_core.target.tiny import first_unused_token_id
 
     torch.manual_seed(0)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()

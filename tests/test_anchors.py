@@ -1,6 +1,6 @@
 import torch
 
-from dflash_core.anchors import all_valid_anchors, anchor_candidates, sample_anchors
+from dflash_core.loss.anchors import all_valid_anchors, anchor_candidates, sample_anchors
 
 LOSS_MASK = torch.tensor([
     [0, 1, 1, 1, 0, 1, 1, 0, 1, 1],   # candidates 1, 2, 5, 8

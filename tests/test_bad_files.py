@@ -11,13 +11,13 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from dflash_core.export import export_drafter
-from dflash_core.frozen_head import FrozenTargetHead
-from dflash_core.model import DFlashDrafter, DrafterConfig
-from dflash_core.model_card import TARGET_IDENTITY, read_card_info, target_identity
-from dflash_core.readers import BadFileError
-from dflash_core.target import load_target
-from dflash_core.tiny import first_unused_token_id
+from dflash_core.drafter.model import DFlashDrafter, DrafterConfig
+from dflash_core.files.readers import BadFileError
+from dflash_core.loss.frozen_head import FrozenTargetHead
+from dflash_core.serving.export import export_drafter
+from dflash_core.serving.model_card import TARGET_IDENTITY, read_card_info, target_identity
+from dflash_core.target.capture import load_target
+from dflash_core.target.tiny import first_unused_token_id
 from launcher import evaluate
 from launcher import export as export_cli
 from launcher.cli import run_main

@@ -8,8 +8,8 @@ from hydra.errors import ConfigCompositionException
 from transformers import AutoTokenizer
 
 from dflash_core.data import DataError, load_samples
-from dflash_core.frozen_head import FrozenTargetHead
-from dflash_core.target import TargetError, load_target
+from dflash_core.loss.frozen_head import FrozenTargetHead
+from dflash_core.target.capture import TargetError, load_target
 from launcher.config import ConfigError, compose_config, config_hash
 from launcher.distributed.topology import Topology, parse_topology
 from launcher.resolve import check_combinations, dataset_paths, resolve, target_dir

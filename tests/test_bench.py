@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from dflash_core.model import DrafterConfig
+from dflash_core.target.families import drafter_config_for_target
 from launcher.bench.counts import (
     balance_advice,
     drafter_step_flops,
@@ -106,11 +106,11 @@ def test_format_table_lists_every_row():
 def _baseline_spec(tiny_target_dir, tmp_path, **overrides):
     import dataclasses
 
-    from dflash_core.tiny import MODEL_SHAPE
+    from dflash_core.target.tiny import MODEL_SHAPE
     from launcher.bench.inputs import write_bench_target
     target = write_bench_target(tmp_path / "target", {**MODEL_SHAPE, "vocab_size": 1088}, tiny_target_dir)
     from transformers import AutoConfig
-    cfg = DrafterConfig.from_target(AutoConfig.from_pretrained(target), num_layers=1, block_size=4,
+    cfg = drafter_config_for_target(AutoConfig.from_pretrained(target), num_layers=1, block_size=4,
                                     mask_token_id=1024, target_layer_ids=[0, 2])
     spec = {"target_dir": str(target), "drafter_config": dataclasses.asdict(cfg), "seq_len": 32, "num_anchors": 8,
             "chunk_blocks": 4, "items_per_thread": 2, "target_device": "cpu", "drafter_devices": ["cpu", "cpu"],
@@ -166,7 +166,7 @@ def test_new_shapes_write_their_own_config_class_and_drafter(tmp_path, tiny_targ
 def _tiny_config(family, **overrides):
     from transformers import AutoConfig
 
-    from dflash_core.tiny import TINY_SHAPES
+    from dflash_core.target.tiny import TINY_SHAPES
     return AutoConfig.for_model(**{**TINY_SHAPES[family], "vocab_size": 1088, **overrides})
 
 
@@ -349,7 +349,7 @@ def test_conversation_file_realises_the_mix_and_reads_back_as_lengths(tmp_path, 
 def tiny_job(tmp_path, tiny_target_dir, one_thread):
     import torch
 
-    from dflash_core.tiny import MODEL_SHAPE
+    from dflash_core.target.tiny import MODEL_SHAPE
     from launcher.bench.inputs import run_overrides, write_bench_target
     from launcher.config import compose_config
     from launcher.distributed.topology import Topology
@@ -394,7 +394,7 @@ def test_drafter_and_target_rows_on_padded_and_packed_mixes(tmp_path, tiny_job):
 def test_target_row_reports_the_familys_kernel_notes(one_thread):
     import torch
 
-    from dflash_core.families import kernel_notes
+    from dflash_core.target.families import kernel_notes
     from launcher.bench.stages import full_row_workload, target_stage
     config = _tiny_config("qwen3_5")
     row, = target_stage(config, [0, 2], torch.device("cpu"), torch.float32, [full_row_workload(16, 1000, 4)],

@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerFast
 
 from dflash_core.data import ChatRenderer, DataError, load_samples, normalise_record
 from dflash_core.data import render as render_module
-from dflash_core.prompts import encode_prompts, iter_prompts, stop_token_ids
+from dflash_core.data.prompts import encode_prompts, iter_prompts, stop_token_ids
 from tests.test_data import supervised_runs, write_jsonl
 
 TEMPLATES = Path(__file__).parent / "chat_templates"

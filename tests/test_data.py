@@ -16,7 +16,7 @@ from dflash_core.data import (
     load_samples,
     load_tokenizer,
 )
-from dflash_core.tiny import BUNDLED_DATASET
+from dflash_core.target.tiny import BUNDLED_DATASET
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 TWO_TURNS = [

@@ -6,11 +6,11 @@ import dataclasses
 import pytest
 import torch
 
-from dflash_core.attention import flash_unavailable
-from dflash_core.compile import compile_count
-from dflash_core.frozen_head import FrozenTargetHead
-from dflash_core.model import DFlashDrafter
-from dflash_core.objective import drafter_step
+from dflash_core.drafter.attention import flash_unavailable
+from dflash_core.drafter.compile import compile_count
+from dflash_core.drafter.model import DFlashDrafter
+from dflash_core.loss.frozen_head import FrozenTargetHead
+from dflash_core.loss.objective import drafter_step
 from tests.drafters import drafter_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -99,8 +99,8 @@ def test_varlen_target_attention_matches_the_masked_target():
     block-diagonal mask (bf16), at a Qwen3-like shape."""
     from transformers import Qwen3Config
 
-    from dflash_core.packing import VARLEN
-    from dflash_core.target import random_target
+    from dflash_core.target.capture import random_target
+    from dflash_core.target.packing import VARLEN
     config = Qwen3Config(hidden_size=1024, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
                          head_dim=64, intermediate_size=2816, vocab_size=32000)
     ids = torch.randint(0, 32000, (2, 1024), generator=torch.Generator().manual_seed(0)).cuda()

@@ -6,10 +6,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
-from dflash_core import export as export_module
-from dflash_core.export import ExportExistsError, export_drafter, load_exported
-from dflash_core.finite import NonFiniteError
-from dflash_core.model import DFlashDrafter
+from dflash_core.drafter.model import DFlashDrafter
+from dflash_core.serving import export as export_module
+from dflash_core.serving.export import ExportExistsError, export_drafter, load_exported
+from dflash_core.serving.finite import NonFiniteError
 from launcher import export as export_cli
 from launcher.cli import run_main
 from launcher.evaluate import load_drafter

@@ -9,7 +9,7 @@ import textwrap
 
 import torch
 
-from dflash_core.export import MODELING_NAME, export_drafter, shipped_sources
+from dflash_core.serving.export import MODELING_NAME, export_drafter, shipped_sources
 from tests.test_export import drafter_inputs, drafter_output, drafter_to_export
 
 

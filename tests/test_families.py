@@ -15,10 +15,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from dflash_core.families import FAMILIES, TargetError, family_of, num_layers_of, packing_supported, text_config
-from dflash_core.model import DrafterConfig, default_target_layer_ids
-from dflash_core.target import load_target
-from dflash_core.tiny import TINY_SHAPES, build_tiny_target
+from dflash_core.drafter.model import DrafterConfig, default_target_layer_ids
+from dflash_core.target.capture import load_target
+from dflash_core.target.families import FAMILIES, TargetError, family_of, num_layers_of, packing_supported, text_config
+from dflash_core.target.tiny import TINY_SHAPES, build_tiny_target
 from tests.launching import torchrun
 
 REPO = Path(__file__).resolve().parent.parent
@@ -143,7 +143,7 @@ def test_packing_support_is_decided_per_family_and_backend():
 def test_drafter_config_from_each_family(family_dirs, family):
     from transformers import AutoConfig
 
-    from dflash_core.tiny import first_unused_token_id
+    from dflash_core.target.tiny import first_unused_token_id
     path = family_dirs[family]
     config, tokenizer = AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     mask_token_id = first_unused_token_id(tokenizer, config)
@@ -175,7 +175,7 @@ def test_composite_qwen3_5_checkpoint_loads_its_text_decoder(tmp_path):
     """Real Qwen3.5/3.6 checkpoints are multimodal: text_config + vision_config, model.language_model.*"""
     from transformers import AutoConfig, Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    from dflash_core.frozen_head import FrozenTargetHead
+    from dflash_core.loss.frozen_head import FrozenTargetHead
     text = {key: value for key, value in TINY_SHAPES["qwen3_5"].items() if key != "model_type"}
     vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 128}
     torch.manual_seed(0)
@@ -198,8 +198,8 @@ def test_composite_qwen3_5_checkpoint_loads_its_text_decoder(tmp_path):
 @pytest.mark.parametrize("shape, family, layer_ids", [("qwen3.5-35b-a3b", "qwen3_5_moe", [1, 10, 19, 28, 37]),
                                                      ("llama3-8b", "llama", [1, 8, 15, 22, 29])])
 def test_real_shapes_build_their_family(shape, family, layer_ids):
-    from dflash_core.shapes import config_from_shape
-    from dflash_core.target import random_target
+    from dflash_core.target.capture import random_target
+    from dflash_core.target.shapes import config_from_shape
     config = config_from_shape(shape)
     assert family_of(config).name == family
     drafter = DrafterConfig.from_target(config, num_layers=5, block_size=16, mask_token_id=config.vocab_size - 1)

@@ -13,9 +13,9 @@ import types
 import pytest
 import torch
 
-from dflash_core import attention
-from dflash_core.compile import compile_count
-from dflash_core.model import DFlashDrafter
+from dflash_core.drafter import attention
+from dflash_core.drafter.compile import compile_count
+from dflash_core.drafter.model import DFlashDrafter
 from tests.drafters import drafter_config
 
 B, S, N, BS, HIDDEN = 2, 40, 6, 4, 32
@@ -118,9 +118,9 @@ def alone_rows(ids, mask, features, anchors, keep, doc):
 @torch.no_grad()
 def test_packed_flex_loss_equals_its_documents_alone(drafter, compiles_before):
     """Forward only (CPU flex has no backward); the alone rows keep the packed shape: no recompile."""
-    from dflash_core.anchors import sample_anchors
-    from dflash_core.frozen_head import FrozenTargetHead
-    from dflash_core.objective import drafter_step
+    from dflash_core.loss.anchors import sample_anchors
+    from dflash_core.loss.frozen_head import FrozenTargetHead
+    from dflash_core.loss.objective import drafter_step
     head = FrozenTargetHead.random(50, HIDDEN, seed=0)
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 49, (B, S), generator=gen)
@@ -159,8 +159,8 @@ def test_evaluation_recompiles_nothing_across_batches(drafter):
     batch-dependent strides, and document ids are data, not shape. Also with one row (micro-batch
     1), whose size-1 dimension kept a slice's stride through .contiguous() (an H200 e2e run
     recompiled at its first held-out evaluation)."""
-    from dflash_core.frozen_head import FrozenTargetHead
-    from dflash_core.objective import evaluate_tau
+    from dflash_core.loss.frozen_head import FrozenTargetHead
+    from dflash_core.loss.objective import evaluate_tau
     head = FrozenTargetHead.random(50, HIDDEN, seed=0)
     gen = torch.Generator().manual_seed(0)
     counts = []

@@ -1,4 +1,4 @@
-"""The one-pass AdamW (dflash_core/fused_adamw.py): torch's AdamW arithmetic on gradient * multiplier,
+"""The one-pass AdamW (dflash_core/kernels/fused_adamw.py): torch's AdamW arithmetic on gradient * multiplier,
 any gradient dtype, the compute copy written as the master rounded to its dtype, and nothing at all
 where skipped; on CPU torch's own fused step."""
 import io
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from dflash_core.fused_adamw import adamw_
+from dflash_core.kernels.fused_adamw import adamw_
 from tests.launching import run_in_triton_interpreter
 
 SHAPES = [(7, 5), (33,), (3, 700)]   # odd sizes; 2100 elements span three programs of BLOCK=1024
@@ -17,8 +17,8 @@ HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 # The first weight has a bf16 compute copy and a bf16 gradient, as the drafter's matrices on GPU.
 _PROGRAM = """
 import json, os, torch
-from dflash_core import fused_adamw
-from dflash_core.fused_adamw import adamw_
+from dflash_core.kernels import fused_adamw
+from dflash_core.kernels.fused_adamw import adamw_
 if os.environ.get("TRITON_INTERPRET") == "1":
     fused_adamw._runs_kernel = lambda tensor: True   # the Triton kernels on CPU tensors, not torch's fused step
     fused_adamw.SQUARES_CHUNK, fused_adamw.SQUARES_BLOCK = 512, 128   # several programs, each looping
@@ -142,7 +142,7 @@ def test_on_cuda_the_kernel_matches_torch_fused_adamw_without_waiting_for_the_de
 def test_on_cuda_the_sum_of_squares_is_the_float64_sum_the_same_bits_every_time_without_waiting():
     """The gradient-norm pass at a drafter layer's shapes (bf16 matrices, fp32 vectors, one size that
     ends inside a program): the float64 sum within 1e-6, identical bits on a second call, no host read."""
-    from dflash_core.fused_adamw import sum_of_squares
+    from dflash_core.kernels.fused_adamw import sum_of_squares
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     shapes = [(4096, 4096), (1024, 4096), (12288, 4096), (4096,), (128,), (1000, 333)]

@@ -1,4 +1,4 @@
-"""The head-loss Triton kernels (dflash_core/head_loss_kernels.py) give objective._head_loss_terms'
+"""The head-loss Triton kernels (dflash_core/kernels/head_loss.py) give objective._head_loss_terms'
 results: on CPU through Triton's interpreter at small shapes, on a GPU at the production shape
 against the compiled terms (skipped without CUDA; run through the device tool)."""
 import time
@@ -6,15 +6,15 @@ import time
 import pytest
 import torch
 
-from dflash_core.objective import LOSS_TYPES, _compiled_head_loss_terms, _FusedHeadLoss
+from dflash_core.loss.objective import LOSS_TYPES, _compiled_head_loss_terms, _FusedHeadLoss
 from tests.launching import run_in_triton_interpreter
 
 # Run through run_in_triton_interpreter. Every case compares the kernels with _head_loss_terms on the same
 # logits; failures come back by name.
 _INTERPRETED = """
 import json, torch
-from dflash_core import head_loss_kernels
-from dflash_core.objective import _head_loss_terms
+from dflash_core.kernels import head_loss as head_loss_kernels
+from dflash_core.loss.objective import _head_loss_terms
 
 def logits_and_labels(vocab, dtype, gen):
     logits = (3 * torch.randn(24, vocab, generator=gen)).to(dtype)
@@ -104,7 +104,7 @@ def test_kernels_match_the_compiled_terms_at_the_production_shape(loss_type):
     """2048 x 151936 bf16 logits: CE within 1e-4 (fp32 sums over V in another order), final weights
     within 1e-4 relative, the same argmax hits, the gradient within bf16's rounding and zero where
     the weight is. Prints both versions' time per chunk."""
-    from dflash_core.head_loss_kernels import head_loss_terms_triton
+    from dflash_core.kernels.head_loss import head_loss_terms_triton
     logits, labels, weights = _chunk()
     want = _compiled_head_loss_terms(logits, labels, weights, loss_type, 7.0, 0.5)
     got = head_loss_terms_triton(logits.clone(), labels, weights, loss_type, 7.0, 0.5)
@@ -128,7 +128,7 @@ def test_fused_head_loss_runs_the_kernels_on_cuda_when_compiled(monkeypatch):
     """_FusedHeadLoss with compiled=True on CUDA calls the kernels once per chunk (3 chunks, the last
     ragged), and its loss, weight sum and hits equal the eager terms'; d(loss)/dh is within 1e-2 relative
     (Frobenius) of theirs: bf16 GEMM outputs of nearly equal bf16 gradients."""
-    from dflash_core import head_loss_kernels
+    from dflash_core.kernels import head_loss as head_loss_kernels
     calls = []
     kernels = head_loss_kernels.head_loss_terms_triton
 

@@ -6,14 +6,14 @@ import torch
 from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
-from dflash_core.attention import (
+from dflash_core.drafter.attention import (
     attend,
     block_doc_starts,
     build_attention_mask,
     dense_mask,
     make_mask_mod,
 )
-from dflash_core.compile import compile_count
+from dflash_core.drafter.compile import compile_count
 
 S, BS, WINDOW = 24, 4, 6
 ANCHORS = torch.tensor([[0, 5, 11, 20], [3, 4, 9, 22]])
@@ -117,7 +117,7 @@ def test_padded_query_rows_are_masked():
 
 def random_packed_rows(batch, seq_len, num_anchors, seed, packed):
     """Anchors drawn from a random loss mask, some blocks invalid; packed rows get 3-6 documents."""
-    from dflash_core.anchors import sample_anchors
+    from dflash_core.loss.anchors import sample_anchors
     gen = torch.Generator().manual_seed(seed)
     position_ids = torch.arange(seq_len).repeat(batch, 1)
     if packed:

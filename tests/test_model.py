@@ -10,8 +10,9 @@ from safetensors.torch import save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
-from dflash_core.frozen_head import FrozenTargetHead
-from dflash_core.model import DFlashDrafter, DrafterConfig, default_target_layer_ids
+from dflash_core.drafter.model import DFlashDrafter, default_target_layer_ids
+from dflash_core.loss.frozen_head import FrozenTargetHead
+from dflash_core.target.families import drafter_config_for_target
 from tests.drafters import drafter_config
 
 
@@ -33,7 +34,7 @@ def test_default_target_layer_ids():
 
 
 def test_from_target_copies_the_target_shape():
-    cfg = DrafterConfig.from_target(qwen3_8b_config(), num_layers=5, block_size=16,
+    cfg = drafter_config_for_target(qwen3_8b_config(), num_layers=5, block_size=16,
                                     mask_token_id=151669)
     assert cfg.target_layer_ids == [1, 9, 17, 25, 33] and cfg.num_target_layers == 36
     assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == \
@@ -46,7 +47,7 @@ def test_from_target_reads_a_top_level_rope_theta():
     legacy = SimpleNamespace(hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
                              num_key_value_heads=2, intermediate_size=48, vocab_size=50,
                              rms_norm_eps=1e-6, rope_theta=5e5, max_position_embeddings=128)
-    cfg = DrafterConfig.from_target(legacy, num_layers=1, block_size=8, mask_token_id=49)
+    cfg = drafter_config_for_target(legacy, num_layers=1, block_size=8, mask_token_id=49)
     assert cfg.rope_theta == 5e5 and cfg.head_dim == 8 and cfg.target_layer_ids == [2]
 
 
@@ -62,7 +63,7 @@ def test_from_target_validation_errors(kwargs, message):
     args = dict(num_layers=5, block_size=16, mask_token_id=151669)
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):
-        DrafterConfig.from_target(qwen3_8b_config(), **args)
+        drafter_config_for_target(qwen3_8b_config(), **args)
 
 
 def test_state_dict_keys_are_the_serving_layout():

@@ -1,8 +1,8 @@
 """The export's README.md model card says what the drafter was trained for and on, and how well it drafts."""
 import yaml
 
-from dflash_core.export import export_drafter
-from dflash_core.model_card import acceptance_comparison, read_card_info, record_acceptance_length
+from dflash_core.serving.export import export_drafter
+from dflash_core.serving.model_card import acceptance_comparison, read_card_info, record_acceptance_length
 from tests.test_export import drafter_to_export
 
 INFO = {

@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_core.anchors import all_valid_anchors, sample_anchors
-from dflash_core.frozen_head import FrozenTargetHead
-from dflash_core.model import DFlashDrafter
-from dflash_core.objective import (
+from dflash_core.drafter.model import DFlashDrafter
+from dflash_core.loss.anchors import all_valid_anchors, sample_anchors
+from dflash_core.loss.frozen_head import FrozenTargetHead
+from dflash_core.loss.objective import (
     block_input_ids,
     block_labels,
     decoding_walk,
@@ -18,6 +18,7 @@ from dflash_core.objective import (
     evaluate_tau,
     loss_weights,
 )
+from dflash_core.target.families import drafter_config_for_target
 from tests.drafters import drafter_config
 
 VOCAB, HIDDEN, BS, MASK_ID = 40, 32, 4, 39
@@ -243,7 +244,7 @@ def test_evaluate_tau_counts_misses():
 def test_fused_head_loss_matches_plain_autograd(loss_type):
     """The gradient formed in the forward pass equals autograd through the logits (5 blocks in
     chunks of 2: a ragged last chunk)."""
-    from dflash_core.objective import _chunk_loss, _FusedHeadLoss
+    from dflash_core.loss.objective import _chunk_loss, _FusedHeadLoss
     generator = torch.Generator().manual_seed(0)
     h = torch.randn(2, 5, 4, HIDDEN, dtype=torch.float64, generator=generator, requires_grad=True)
     head = FrozenTargetHead.random(VOCAB, HIDDEN, seed=3, dtype=torch.float64)
@@ -263,7 +264,7 @@ def test_fused_head_loss_matches_plain_autograd(loss_type):
 def test_compiled_layers_and_head_loss_match_eager_and_compile_once():
     """compiled=True: same loss and gradients as eager (CPU, sdpa), and a second micro-batch
     with new data at the same shape compiles nothing new."""
-    from dflash_core.compile import compile_count
+    from dflash_core.drafter.compile import compile_count
     cfg = drafter_config(hidden_size=HIDDEN, num_hidden_layers=3, vocab_size=VOCAB, block_size=BS,
                          mask_token_id=MASK_ID)
     eager = DFlashDrafter(cfg, seed=0)
@@ -319,16 +320,16 @@ def test_decode_tau_is_what_speculative_decoding_of_the_same_text_reports(tiny_t
     either path sits close enough to a tie for the two summation orders to flip it, on any CPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash_core.model import DFlashDrafter, DrafterConfig
-    from dflash_core.speculative import greedy_decode, head_from_target, speculative_generate
-    from dflash_core.tiny import first_unused_token_id
+    from dflash_core.drafter.model import DFlashDrafter
+    from dflash_core.serving.speculative import greedy_decode, head_from_target, speculative_generate
+    from dflash_core.target.tiny import first_unused_token_id
 
     target = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float64).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
     prompt = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": "How many hours are in 3 days?"}],
                                                      tokenize=False, add_generation_prompt=True),
                        add_special_tokens=False)["input_ids"]
-    config = DrafterConfig.from_target(target.config, num_layers=1, block_size=8, target_layer_ids=[0, 2],
+    config = drafter_config_for_target(target.config, num_layers=1, block_size=8, target_layer_ids=[0, 2],
                                        mask_token_id=first_unused_token_id(tokenizer, target.config))
     drafter = DFlashDrafter(config, seed=0).double()
     head = head_from_target(target)

@@ -2,9 +2,9 @@
 
 import torch
 
-from dflash_core.frozen_head import FrozenTargetHead
-from dflash_core.model import DFlashDrafter
-from dflash_core.objective import drafter_step, evaluate_tau
+from dflash_core.drafter.model import DFlashDrafter
+from dflash_core.loss.frozen_head import FrozenTargetHead
+from dflash_core.loss.objective import drafter_step, evaluate_tau
 from tests.drafters import drafter_config
 
 VOCAB, HIDDEN, SEQ, BS = 64, 64, 96, 8

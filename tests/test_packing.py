@@ -4,11 +4,11 @@ same loss, gradients and counts, whatever a document's offset in its row."""
 import pytest
 import torch
 
-from dflash_core.anchors import sample_anchors
 from dflash_core.data import MicroBatchSource
-from dflash_core.frozen_head import FrozenTargetHead
-from dflash_core.model import DFlashDrafter
-from dflash_core.objective import drafter_step, evaluate_tau
+from dflash_core.drafter.model import DFlashDrafter
+from dflash_core.loss.anchors import sample_anchors
+from dflash_core.loss.frozen_head import FrozenTargetHead
+from dflash_core.loss.objective import drafter_step, evaluate_tau
 from tests.drafters import drafter_config
 
 VOCAB, HIDDEN, BS, MASK_ID = 40, 32, 4, 39

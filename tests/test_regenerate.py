@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from dflash_core.data import load_samples, read_records
-from dflash_core.prompts import prompt_messages
-from dflash_core.tiny import BUNDLED_DATASET
+from dflash_core.data.prompts import prompt_messages
+from dflash_core.target.tiny import BUNDLED_DATASET
 from launcher.regenerate import merge_parts, read_part
 from tests.launching import torchrun
 

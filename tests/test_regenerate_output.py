@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_core.tiny import BUNDLED_DATASET
+from dflash_core.target.tiny import BUNDLED_DATASET
 from launcher.config import ConfigError, compose_config
 from launcher.regenerate import check_output
 

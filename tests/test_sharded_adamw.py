@@ -285,9 +285,9 @@ def test_on_cuda_bf16_copies_train_as_the_fp32_drafter_under_autocast(world_of_o
     are the fp32 drafter's within bf16 rounding (not bitwise: cuBLAS may sum in another order for other
     operands); the fp32 masters are torch's fused AdamW on them within 1e-6 and the copies the rounded
     masters; no call waits for the device."""
-    from dflash_core.frozen_head import FrozenTargetHead
-    from dflash_core.model import DFlashDrafter
-    from dflash_core.objective import drafter_step
+    from dflash_core.drafter.model import DFlashDrafter
+    from dflash_core.loss.frozen_head import FrozenTargetHead
+    from dflash_core.loss.objective import drafter_step
     from tests.drafters import drafter_config
 
     cfg = drafter_config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,

@@ -9,11 +9,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_core.export import export_drafter
-from dflash_core.frozen_head import FrozenTargetHead
-from dflash_core.model import DFlashDrafter, DrafterConfig
-from dflash_core.speculative import DrafterCache, greedy_decode, speculative_generate
-from dflash_core.tiny import first_unused_token_id
+from dflash_core.drafter.model import DFlashDrafter
+from dflash_core.loss.frozen_head import FrozenTargetHead
+from dflash_core.serving.export import export_drafter
+from dflash_core.serving.speculative import DrafterCache, greedy_decode, speculative_generate
+from dflash_core.target.families import drafter_config_for_target
+from dflash_core.target.tiny import first_unused_token_id
 from launcher.evaluate import load_drafter
 from launcher.run_io import checkpoint
 from tests.drafters import drafter_config
@@ -31,7 +32,7 @@ def target(tiny_target_dir):
 @pytest.fixture(scope="module")
 def target_drafter_config(tiny_target_dir, target):
     mask_id = first_unused_token_id(AutoTokenizer.from_pretrained(tiny_target_dir), target.config)
-    return DrafterConfig.from_target(target.config, num_layers=2, block_size=BLOCK_SIZE, mask_token_id=mask_id,
+    return drafter_config_for_target(target.config, num_layers=2, block_size=BLOCK_SIZE, mask_token_id=mask_id,
                                      target_layer_ids=[0, 2])
 
 

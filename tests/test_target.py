@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from dflash_core.target import TargetError, load_target
+from dflash_core.target.capture import TargetError, load_target
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_truncated_forward_is_faster(tiny_target_dir):
 def test_compiled_capture_equals_eager_unpacked_and_packed(tiny_target_dir, input_ids):
     """target.compile: each layer through one compiled graph; the same features, one graph for all
     layers and batches (static shape), packed rows included."""
-    from dflash_core.compile import compile_count
+    from dflash_core.drafter.compile import compile_count
     eager = load_target(tiny_target_dir, layer_ids=[0, 2], device="cpu", dtype=torch.float32)
     compiled = load_target(tiny_target_dir, layer_ids=[0, 2], device="cpu", dtype=torch.float32, compiled=True)
     packed_positions = torch.cat([torch.arange(20), torch.arange(28)]).expand(2, -1)
@@ -125,9 +125,9 @@ def test_compiled_capture_equals_eager_unpacked_and_packed(tiny_target_dir, inpu
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_varlen_attention_captures_each_document_as_if_alone(tiny_target_dir, input_ids, compiled):
-    """Packed rows through dflash_core.packing.varlen_attention (flash's variable-length kernel on
+    """Packed rows through dflash_core.target.packing.varlen_attention (flash's variable-length kernel on
     GPU, its per-document reference here): each document equals its own unpacked capture."""
-    from dflash_core.packing import VARLEN
+    from dflash_core.target.packing import VARLEN
     varlen = load_target(tiny_target_dir, layer_ids=[0, 3], device="cpu", dtype=torch.float32,
                          attn_implementation=VARLEN, compiled=compiled)
     plain = load_target(tiny_target_dir, layer_ids=[0, 3], device="cpu", dtype=torch.float32)

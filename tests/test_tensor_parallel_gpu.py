@@ -31,7 +31,7 @@ def _worker(out_dir: str) -> None:
     import torch.distributed as dist
     from transformers import Qwen3Config
 
-    from dflash_core.target import random_target
+    from dflash_core.target.capture import random_target
     from launcher.bench.counts import QWEN3_8B_SHAPE
     from launcher.distributed.tensor_parallel import shard_target
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_core.tiny import BUNDLED_DATASET, build_tiny_target, first_unused_token_id
+from dflash_core.target.tiny import BUNDLED_DATASET, build_tiny_target, first_unused_token_id
 from tests.launching import REPO
 
 

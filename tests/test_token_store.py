@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 import dflash_core.data.parallel as parallel
 from dflash_core.data import MicroBatchSource, load_samples
-from dflash_core.tiny import BUNDLED_DATASET
+from dflash_core.target.tiny import BUNDLED_DATASET
 from tests.data_reference import reference_samples
 from tests.test_chat_formats import THINKING, TOOL_CALLING, TOOLS, build_tokenizer
 

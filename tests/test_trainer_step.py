@@ -78,7 +78,7 @@ def test_a_non_finite_step_changes_nothing_and_the_next_one_trains(trainer):
 def test_books_stop_after_max_bad_steps(tmp_path, caplog):
     """The loop's books read launched steps in order: each skipped one is a warning naming its step,
     and run.max_bad_steps in a row raise NonFiniteError naming the step, the rank and the knob."""
-    from dflash_core.objective import StepCounts
+    from dflash_core.loss.objective import StepCounts
     from launcher.roles.drafter import NonFiniteError, _Books, _InFlight
     from launcher.roles.trainer import StepResult
 

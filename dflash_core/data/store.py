@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..durable import fsync_path
+from ..files.durable import fsync_path
 
 STORE_FORMAT = "dflash-token-store-v1"
 _FILES = {"ids": ("ids.bin", np.int32), "mask": ("mask.bin", np.uint8), "offsets": ("offsets.bin", np.int64),

@@ -136,14 +136,14 @@ def default_out() -> Path:
 def _tokenizer_source(args) -> Path:
     if args.tokenizer:
         return Path(args.tokenizer)
-    from dflash_core.tiny import build_tiny_target
+    from dflash_core.target.tiny import build_tiny_target
     return build_tiny_target(REPO / ".cache" / "tiny-qwen3")
 
 
 def _tiny_shape(tokenizer_src: Path) -> dict:
     from transformers import AutoConfig
 
-    from dflash_core.tiny import MODEL_SHAPE
+    from dflash_core.target.tiny import MODEL_SHAPE
     vocab = AutoConfig.from_pretrained(tokenizer_src).vocab_size if (tokenizer_src / "config.json").is_file() else 1088
     return {**MODEL_SHAPE, "vocab_size": vocab}
 

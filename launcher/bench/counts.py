@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from dflash_core import shapes as core_shapes
-from dflash_core.families import text_config
+from dflash_core.target import shapes as core_shapes
+from dflash_core.target.families import text_config
 
 # Qwen3-8B's shape (random weights: speed does not depend on weight values).
 QWEN3_8B_SHAPE = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, num_hidden_layers=36,
@@ -15,7 +15,7 @@ QWEN3_8B_SHAPE = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, n
 QWEN3_27B_SHAPE = dict(model_type="qwen3", vocab_size=151936, hidden_size=5120, num_hidden_layers=64,
                        num_attention_heads=64, num_key_value_heads=8, head_dim=128, intermediate_size=25600,
                        max_position_embeddings=40960, rope_theta=1e6)
-# Every --shape: ours plus dflash_core.shapes' (a Qwen3.5/3.6 35B-A3B MoE hybrid, Llama-3-8B).
+# Every --shape: ours plus dflash_core.target.shapes' (a Qwen3.5/3.6 35B-A3B MoE hybrid, Llama-3-8B).
 SHAPES = {"qwen3-8b": QWEN3_8B_SHAPE, "qwen3-27b": QWEN3_27B_SHAPE, **core_shapes.SHAPES}
 QWEN3_MASK_TOKEN_ID = 151669
 # The drafter's mask token per shape: the public checkpoints' spare ids (Llama 3's first reserved

@@ -7,14 +7,14 @@ import random
 import tempfile
 from pathlib import Path
 
-from dflash_core import shapes as core_shapes
-from dflash_core.families import text_config
+from dflash_core.target import shapes as core_shapes
+from dflash_core.target.families import text_config
 from launcher.bench.counts import SHAPES
 from launcher.bench.mix import LengthMix, MixError
 
 
 def bench_config(shape, **ids):
-    """The transformers config of a bench shape: a name of counts.SHAPES (dflash_core.shapes' names
+    """The transformers config of a bench shape: a name of counts.SHAPES (dflash_core.target.shapes' names
     through its config_from_shape, so each family gets its own config class) or a dict of config
     fields (model_type defaults to qwen3; a top-level rope_theta becomes rope_parameters)."""
     from transformers import AutoConfig

@@ -116,8 +116,8 @@ def mix_batches(samples: list[dict], *, mode: str, seq_len: int, count: int, pad
                 seed: int = 0) -> MixRows:
     """The first `count` micro-batches (micro-batch 1) of the real MicroBatchSource in `mode`, and
     its epoch's padding and anchor fill (each row fills min(anchor candidates, num_anchors) slots)."""
-    from dflash_core.anchors import anchor_candidates
     from dflash_core.data import MicroBatchSource
+    from dflash_core.loss.anchors import anchor_candidates
 
     if mode not in MODES:
         raise MixError(f"unknown mode {mode!r}; choose from {MODES}")

@@ -16,7 +16,7 @@ KERNEL_CATEGORIES = (
     ("flex_backward", re.compile(r"flex_attention_backward", re.I)),
     ("flex_forward", re.compile(r"flex_attention", re.I)),
     ("optimizer", re.compile(r"multi_tensor_apply|adam", re.I)),
-    ("head_loss", re.compile(r"^(row_stats|gradient)_kernel$")),   # dflash_core/head_loss_kernels.py
+    ("head_loss", re.compile(r"^(row_stats|gradient)_kernel$")),   # dflash_core/kernels/head_loss.py
     ("compiled_glue", re.compile(r"^triton_", re.I)),
     ("copy_fill", re.compile(r"memcpy|memset|copy|fill", re.I)),
 )

@@ -107,8 +107,8 @@ def target_stage(hf_config, layer_ids, device, dtype, workloads: list[Workload],
     variable-length kernel for packed rows on GPU), one row per workload: real (non-padding)
     tokens/s, the padding share it forwarded, compiles, and where the family runs slow fallbacks
     (families.kernel_notes, printed and kept in the row)."""
-    from dflash_core.families import kernel_notes
-    from dflash_core.target import random_target
+    from dflash_core.target.capture import random_target
+    from dflash_core.target.families import kernel_notes
 
     t0 = time.perf_counter()
     target = random_target(hf_config, layer_ids=layer_ids, device=device, dtype=dtype, seed=0, compiled=compiled,
@@ -127,7 +127,7 @@ def target_stage(hf_config, layer_ids, device, dtype, workloads: list[Workload],
 
 
 def _target_row(target, hf_config, workload: Workload, device, *, warmup: int, reps: int, ceiling, notes, clock):
-    from dflash_core.compile import compile_count
+    from dflash_core.drafter.compile import compile_count
 
     ids = [i.to(device) for i in workload.input_ids]
     positions = [p.to(device) for p in workload.position_ids] if workload.packed else [None] * len(ids)
@@ -153,7 +153,7 @@ def _compare_full_forward(hf_config, device, dtype, rows: list[dict], *, warmup:
     beside each full-row row, so the saving is measured, not assumed."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_core.families import text_config
+    from dflash_core.target.families import text_config
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -179,7 +179,7 @@ def drafter_stage(job, workloads: list[Workload], *, work: Path, warmup: int, st
     """The real training step (launcher.roles.trainer.DrafterTrainer.train_step) of one drafter rank on
     job.device, fed each workload's micro-batches from memory (random target features), one row per
     workload: supervised blocks/s (valid anchors per second), anchor_fill, real tokens/s, compiles
-    before and after the timed steps and dflash_core.compile.report(). A workload marked `profile`
+    before and after the timed steps and dflash_core.drafter.compile.report(). A workload marked `profile`
     runs two more steps under torch.profiler (launcher.bench.profiling): the kernel table, time per
     kernel category and gaps, and dynamo's compile times land in its row, the trace beside it."""
     from datetime import timedelta
@@ -246,7 +246,7 @@ def _pipelined_steps(stepper: _Stepper, num_batches: int, device, *, steps: int,
 
 def _drafter_workload(stepper: _Stepper, job, workload: Workload, gen, *, warmup: int, steps: int, ceiling,
                       params: int, clock) -> dict:
-    from dflash_core.compile import compile_count, report
+    from dflash_core.drafter.compile import compile_count, report
     from launcher.distributed.channel import HIDDEN_DTYPE, FeatureBatch
 
     device = job.device

@@ -78,7 +78,7 @@ class _DrafterThread(threading.Thread):
         self.finished = False
 
     def run(self):
-        from dflash_core.objective import drafter_step
+        from dflash_core.loss.objective import drafter_step
 
         spec, device = self.spec, self.device
         cuda = device.type == "cuda"
@@ -124,9 +124,9 @@ def _steady_rate(events: list[tuple[float, int]]) -> float:
 def run_baseline(spec: dict) -> dict:
     from transformers import AutoConfig
 
-    from dflash_core.frozen_head import FrozenTargetHead
-    from dflash_core.model import DFlashDrafter, DrafterConfig
-    from dflash_core.target import random_target
+    from dflash_core.drafter.model import DFlashDrafter, DrafterConfig
+    from dflash_core.loss.frozen_head import FrozenTargetHead
+    from dflash_core.target.capture import random_target
 
     t_start = time.perf_counter()
     dcfg = DrafterConfig(**spec["drafter_config"])

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dflash_core.fused_adamw import adamw_, sum_of_squares
+from dflash_core.kernels.fused_adamw import adamw_, sum_of_squares
 
 # torch 2.13 renamed both collectives (same arguments); 2.11 and 2.12 have only the old names.
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

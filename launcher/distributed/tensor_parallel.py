@@ -11,7 +11,7 @@ Attention heads and MLP columns are split across the unit; the row-parallel proj
 every captured hidden state, is a full replicated tensor equal (up to summation order) to
 the unsharded model's.
 
-What stays whole on every rank (replicated), per family (dflash_core.families):
+What stays whole on every rank (replicated), per family (dflash_core.target.families):
 - embeddings, norms, rotary buffers: small, and a replicated embedding keeps the decoder's
   input an ordinary tensor;
 - MoE experts and routers (qwen3_moe, qwen3_5_moe, gpt_oss): transformers' plans shard the
@@ -41,8 +41,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from dflash_core.families import family_of, text_config
-from dflash_core.target import CapturingTarget
+from dflash_core.target.capture import CapturingTarget
+from dflash_core.target.families import family_of, text_config
 
 log = logging.getLogger("dflash")
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 import dflash_core
-from dflash_core.compile import compile_count, report
-from dflash_core.export import export_drafter
-from dflash_core.model_card import TARGET_IDENTITY, target_identity
+from dflash_core.drafter.compile import compile_count, report
+from dflash_core.serving.export import export_drafter
+from dflash_core.serving.model_card import TARGET_IDENTITY, target_identity
 from launcher.context import Context
 from launcher.distributed.channel import Receiver
 from launcher.distributed.isolation import CompileShare, source_digest

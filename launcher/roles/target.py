@@ -8,7 +8,7 @@ import time
 import torch
 
 from dflash_core.data import MicroBatchSource, describe_drops, drop_warning, load_tokenizer
-from dflash_core.target import CapturingTarget, load_target, random_target
+from dflash_core.target.capture import CapturingTarget, load_target, random_target
 from launcher.config import ConfigError
 from launcher.context import Context
 from launcher.dataset import load_run_samples

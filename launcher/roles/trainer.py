@@ -19,9 +19,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from dflash_core.frozen_head import FrozenTargetHead
-from dflash_core.model import DFlashDrafter
-from dflash_core.objective import StepCounts, drafter_step, evaluate_tau
+from dflash_core.drafter.model import DFlashDrafter
+from dflash_core.loss.frozen_head import FrozenTargetHead
+from dflash_core.loss.objective import StepCounts, drafter_step, evaluate_tau
 from launcher.distributed.channel import HIDDEN_DTYPE, FeatureBatch
 from launcher.distributed.sharded_adamw import ShardedAdamW
 from launcher.resolve import Job, compute_dtype
@@ -172,7 +172,7 @@ class DrafterTrainer:
 
     def _update(self, multiplier: torch.Tensor, skipped: torch.Tensor) -> None:
         """AdamW on gradients * multiplier, or no update at all where `skipped`. The kernel (on CUDA
-        dflash_core/fused_adamw.py's, on CPU torch's fused one given AMP's grad_scale and found_inf)
+        dflash_core/kernels/fused_adamw.py's, on CPU torch's fused one given AMP's grad_scale and found_inf)
         scales each gradient as it reads it and does nothing where `skipped`, sparing a separate pass
         over every gradient (2 GB of them at the 8B shape) and a host read of the skip decision."""
         self.optimizer.step_scaled(multiplier, skipped)

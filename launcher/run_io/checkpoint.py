@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_core.durable import fsync_path
-from dflash_core.readers import load_torch, read_json
+from dflash_core.files.durable import fsync_path
+from dflash_core.files.readers import load_torch, read_json
 
 log = logging.getLogger("dflash")
 _NAME = re.compile(r"^step_(\d{8})$")

@@ -20,7 +20,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from dflash_core.data.records import file_fingerprint
-from dflash_core.families import text_config
+from dflash_core.target.families import text_config
 from launcher.resolve import Job, dataset_paths
 from launcher.run_io import checkpoint
 

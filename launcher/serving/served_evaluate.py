@@ -83,8 +83,8 @@ def evaluate_served(cfg: DictConfig) -> dict:
     from transformers import AutoConfig, GenerationConfig
 
     from dflash_core.data import load_tokenizer
-    from dflash_core.families import text_config
-    from dflash_core.prompts import stop_token_ids
+    from dflash_core.data.prompts import stop_token_ids
+    from dflash_core.target.families import text_config
     from launcher.evaluate import load_prompts
     from launcher.resolve import compute_dtype, dataset_paths, ensure_embedded_target, resolve_device, target_dir
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .compile import compiled_function
+from ..drafter.compile import compiled_function
+from ..files.readers import check_safetensors, read_json
 from .families import (
     VARLEN,
     TargetError,
@@ -31,7 +32,6 @@ from .families import (
     truncated_config,
 )
 from .packing import Documents, RecurrentRegrouping, attention_documents, block_diagonal_masks
-from .readers import check_safetensors, read_json
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
 __all__ = ["CapturingTarget", "TargetError", "check_target_files", "load_target", "random_target"]
@@ -151,7 +151,7 @@ class CapturingTarget:
         No attention mask: rows are right-padded, so causal attention keeps real tokens from
         ever seeing padding. Packed rows pass `position_ids` [B, S] that restart at 0 at every
         document (trailing padding is a document of its own): each document is then captured
-        exactly as if it were forwarded alone (see dflash_core.packing).
+        exactly as if it were forwarded alone (see dflash_core.target.packing).
         """
         documents = self._documents(input_ids, position_ids) if position_ids is not None else None
         masks = None
@@ -185,7 +185,7 @@ class CapturingTarget:
 
 def load_target(path, *, layer_ids, device="cpu", dtype=torch.bfloat16,
                 attn_implementation: str | None = None, compiled: bool = False) -> CapturingTarget:
-    """Load a Hugging Face causal LM of a supported family (dflash_core.families) as a frozen
+    """Load a Hugging Face causal LM of a supported family (dflash_core.target.families) as a frozen
     feature extractor.
 
     Only decoder layers 0..max(layer_ids) are built and loaded; the final norm is dropped

@@ -14,10 +14,13 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..drafter.model import DrafterConfig, check_serving_layer_ids, default_target_layer_ids
+
 # Attention backends whose capture (and packed capture) the tests check on CPU, fp32.
 VERIFIED_ATTENTION = ("eager", "sdpa")
-VARLEN = "varlen_causal"   # dflash_core.packing.varlen_attention in transformers' AttentionInterface (a name with
-# "flash" in it would make transformers look for a flash-attention package)
+# packing.varlen_attention's name in transformers' AttentionInterface (a name with "flash" in it
+# would make transformers look for a flash-attention package)
+VARLEN = "varlen_causal"
 
 
 class TargetError(ValueError):
@@ -30,10 +33,10 @@ class Family:
     model_types: tuple[str, ...]        # text (and composite) model_type spellings of the family
     attention: tuple[str, ...] = VERIFIED_ATTENTION  # backends the family's modeling code supports
     # Whether the decoder derives the packed-row (block-diagonal) mask from position ids itself;
-    # if not, capture passes explicit per-layer-type masks (dflash_core.packing).
+    # if not, capture passes explicit per-layer-type masks (dflash_core.target.packing).
     mask_from_positions: bool = True
     # A decoder-layer submodule that carries a recurrent state along the sequence (linear
-    # attention): packed rows regroup its input per document (dflash_core.packing).
+    # attention): packed rows regroup its input per document (dflash_core.target.packing).
     recurrent_mixer: str | None = None
     # Tensor parallelism (launcher/tensor_parallel.py): layer submodules left whole on every
     # rank, our per-layer plan where transformers' config has none, and per-head parameters
@@ -46,7 +49,7 @@ class Family:
     # (python module, what it accelerates, what transformers' torch fallback costs without it)
     fast_kernels: tuple[tuple[str, str, str], ...] = ()
     # Plain causal softmax attention in every layer (no sinks, windows or recurrent layers): packed
-    # rows can run dflash_core.packing.varlen_attention instead of a dense block-diagonal mask.
+    # rows can run dflash_core.target.packing.varlen_attention instead of a dense block-diagonal mask.
     varlen: bool = False
 
 
@@ -146,8 +149,8 @@ def packing_supported(config, attn_implementation: str | None = None) -> tuple[b
     """Whether packed rows (several documents per row, positions restarting at 0) capture exactly
     what each document would alone, and if not why. Attention gets a block-diagonal causal mask
     from the position ids (transformers' packed-sequence path); recurrent layers are regrouped
-    per document (dflash_core.packing). Checked on the eager and sdpa backends, and on the
-    variable-length attention (dflash_core.packing.VARLEN) of the families that allow it."""
+    per document (dflash_core.target.packing). Checked on the eager and sdpa backends, and on the
+    variable-length attention (dflash_core.target.packing.VARLEN) of the families that allow it."""
     try:
         family = family_of(config)
     except TargetError as error:
@@ -176,3 +179,46 @@ def kernel_notes(config) -> list[str]:
     if family.tp_replicated and experts == "eager":
         notes.append("MoE experts run transformers' eager loop over experts (grouped_mm unavailable)")
     return notes
+
+
+def drafter_config_for_target(hf_config, *, num_layers, block_size, mask_token_id, target_layer_ids=None,
+                              **overrides) -> DrafterConfig:
+    """Copy width, heads, RoPE and vocabulary from the target's HF config (its text part for a
+    composite multimodal config; dflash_core.target.families says where each family keeps them)."""
+    text = text_config(hf_config)
+    num_target_layers = text.num_hidden_layers
+    if target_layer_ids is None:
+        target_layer_ids = default_target_layer_ids(num_target_layers, num_layers)
+    check_serving_layer_ids(target_layer_ids, num_target_layers)
+    hidden_size = overrides.pop("hidden_size", text.hidden_size)
+    if hidden_size != text.hidden_size:
+        raise ValueError(f"drafter hidden size {hidden_size} must equal the target's hidden "
+                         f"size {text.hidden_size}")
+    fields = {
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": text.num_attention_heads,
+        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+        "intermediate_size": drafter_intermediate_size(hf_config),
+        "vocab_size": text.vocab_size,
+        "block_size": block_size,
+        "target_layer_ids": target_layer_ids,
+        "num_target_layers": num_target_layers,
+        "mask_token_id": mask_token_id,
+        "rms_norm_eps": text.rms_norm_eps,
+        "rope_theta": _rope_theta(text),
+        "max_position_embeddings": text.max_position_embeddings,
+        "attention_bias": getattr(text, "attention_bias", False),
+    }
+    fields.update(overrides)
+    return DrafterConfig(**fields)
+
+
+def _rope_theta(hf_config):
+    """transformers 5 keeps rope_theta in rope_parameters; older configs have it at top level."""
+    rope_parameters = getattr(hf_config, "rope_parameters", None) or {}
+    theta = rope_parameters.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("target config has no rope_theta (neither top level nor rope_parameters)")
+    return float(theta)

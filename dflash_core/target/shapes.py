@@ -1,7 +1,7 @@
 """Real target shapes for benchmarks (random weights): the public checkpoints' config values.
 
 Plain dicts of transformers config fields, so a bench can build the exact architecture with
-`config_from_shape` and `dflash_core.target.random_target` without downloading anything.
+`config_from_shape` and `dflash_core.target.capture.random_target` without downloading anything.
 - qwen3.5-35b-a3b: the text tower of Qwen/Qwen3.5-35B-A3B (Qwen/Qwen3.6-35B-A3B has the same
   layout and model_type): 40 layers, three gated-DeltaNet (linear attention) layers then one
   gated full-attention layer, 256 experts (8 routed + 1 shared per token).

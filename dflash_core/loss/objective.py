@@ -10,8 +10,8 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
+from ..drafter.compile import compiled_function
 from .anchors import all_valid_anchors, sample_anchors
-from .compile import compiled_function
 
 LOSS_TYPES = ("dflash", "dpace")
 # Decay constants of the DFlash recipe, indexed by block size.
@@ -195,7 +195,7 @@ class _FusedHeadLoss(torch.autograd.Function):
         elif h.is_cuda:
             # Imported here: head_loss_kernels imports this module. Its terms overwrite each chunk's
             # logits with their gradient, which is safe because a chunk's logits are used for nothing else.
-            from .head_loss_kernels import head_loss_terms_triton as terms
+            from ..kernels.head_loss import head_loss_terms_triton as terms
         else:
             terms = _compiled_head_loss_terms
         grad_h = torch.empty_like(h)

@@ -12,7 +12,7 @@ import os
 import shlex
 from pathlib import Path
 
-from .readers import read_json
+from ..files.readers import read_json
 
 CARD_NAME = "README.md"
 _INFO_KEY = "dflash_training"

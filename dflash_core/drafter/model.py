@@ -94,50 +94,6 @@ class DrafterConfig:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
 
-    @classmethod
-    def from_target(cls, hf_config, *, num_layers, block_size, mask_token_id,
-                    target_layer_ids=None, **overrides):
-        """Copy width, heads, RoPE and vocabulary from the target's HF config (its text part for a
-        composite multimodal config; dflash_core.families says where each family keeps them)."""
-        from .families import drafter_intermediate_size, text_config
-
-        text = text_config(hf_config)
-        num_target_layers = text.num_hidden_layers
-        if target_layer_ids is None:
-            target_layer_ids = default_target_layer_ids(num_target_layers, num_layers)
-        check_serving_layer_ids(target_layer_ids, num_target_layers)
-        hidden_size = overrides.pop("hidden_size", text.hidden_size)
-        if hidden_size != text.hidden_size:
-            raise ValueError(f"drafter hidden size {hidden_size} must equal the target's hidden "
-                             f"size {text.hidden_size}")
-        fields = {
-            "hidden_size": hidden_size,
-            "num_hidden_layers": num_layers,
-            "num_attention_heads": text.num_attention_heads,
-            "num_key_value_heads": getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-            "head_dim": getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
-            "intermediate_size": drafter_intermediate_size(hf_config),
-            "vocab_size": text.vocab_size,
-            "block_size": block_size,
-            "target_layer_ids": target_layer_ids,
-            "num_target_layers": num_target_layers,
-            "mask_token_id": mask_token_id,
-            "rms_norm_eps": text.rms_norm_eps,
-            "rope_theta": _rope_theta(text),
-            "max_position_embeddings": text.max_position_embeddings,
-            "attention_bias": getattr(text, "attention_bias", False),
-        }
-        fields.update(overrides)
-        return cls(**fields)
-
-
-def _rope_theta(hf_config):
-    """transformers 5 keeps rope_theta in rope_parameters; older configs have it at top level."""
-    rope_parameters = getattr(hf_config, "rope_parameters", None) or {}
-    theta = rope_parameters.get("rope_theta", getattr(hf_config, "rope_theta", None))
-    if theta is None:
-        raise ValueError("target config has no rope_theta (neither top level nor rope_parameters)")
-    return float(theta)
 
 
 class RMSNorm(nn.Module):

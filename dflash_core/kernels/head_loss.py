@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from .objective import loss_weights
+from ..loss.objective import loss_weights
 
 
 @functools.cache   # built on first use: importing Triton costs a process that never steps on CUDA

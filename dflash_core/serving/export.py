@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..drafter.model import DFlashDrafter
+from ..files.readers import bad_file, load_safetensors, read_json
 from .finite import check_finite
-from .model import DFlashDrafter
 from .model_card import CARD_NAME, write_model_card
-from .readers import bad_file, load_safetensors, read_json
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -94,7 +94,7 @@ def shipped_sources():
     relatively, found by transformers' own rule for the files remote code needs."""
     from transformers.dynamic_module_utils import get_relative_import_files
 
-    wrapper = Path(__file__).with_name("hf_model.py")
+    wrapper = Path(__file__).parents[1] / "drafter" / "hf_model.py"
     files = {MODELING_NAME: wrapper}
     files.update((Path(source).name, Path(source)) for source in get_relative_import_files(str(wrapper)))
     return files
@@ -216,7 +216,7 @@ def load_exported(path, *, device=None, dtype=torch.float32):
 def read_exported_config(path):
     """The DrafterConfig of the export in directory `path`; a config.json that is not a DFlash
     drafter's is a BadFileError saying what it lacks."""
-    from .hf_model import drafter_config_from_dict
+    from ..drafter.hf_model import drafter_config_from_dict
     config_file = Path(path) / CONFIG_NAME
     config = read_json(config_file)
     dflash = config.get("dflash_config")

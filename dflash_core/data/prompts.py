@@ -9,14 +9,14 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 
-from .data.records import (
+from .records import (
     DataError,
     check_on_bad_line,
     count_bad_line,
     dataset_sources,
     read_records,
 )
-from .data.render import ChatRenderer, tokenizer_name
+from .render import ChatRenderer, tokenizer_name
 
 ANSWERED_ROLES = ("user", "tool")  # a prompt ends with a turn the assistant answers
 ENCODE_CHUNK = 256  # prompts per call into the Rust tokenizer

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import dense_mask, make_mask_mod
-from .frozen_head import FrozenTargetHead
-from .model import rope_cos_sin
+from ..drafter.attention import dense_mask, make_mask_mod
+from ..drafter.model import rope_cos_sin
+from ..loss.frozen_head import FrozenTargetHead
 
 
 @dataclass
@@ -194,7 +194,7 @@ def pair_mismatches(drafter_config, target_config) -> list[str]:
     """Why a drafter cannot read this target, one reason per fact (empty when it can): hidden size,
     layers and layer ids, vocabulary. target_config: the target's HF config (a composite one's text
     part is used); a config alone suffices, so this runs before any target weight loads."""
-    from .families import text_config
+    from ..target.families import text_config
     cfg, text = drafter_config, text_config(target_config)
     found = []
     if cfg.hidden_size != text.hidden_size:

@@ -2,7 +2,7 @@
 
 Held as non-persistent buffers: never trained, never in gradient sync, never in the
 drafter's (or anybody's) state_dict. Only these two tensors are read from the target
-checkpoint, under the names every supported family uses (dflash_core.families): text-only
+checkpoint, under the names every supported family uses (dflash_core.target.families): text-only
 checkpoints keep the decoder under `model.`, composite multimodal ones (Qwen3.5/3.6) under
 `model.language_model.`; the LM head is `lm_head.weight` in both."""
 
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .readers import bad_file, open_safetensors, read_json
+from ..files.readers import bad_file, open_safetensors, read_json
 
 EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
 LM_HEAD_KEY = "lm_head.weight"

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from .data import read_records
+from ..data import read_records
 from .families import text_config
 
-BUNDLED_DATASET = Path(__file__).resolve().parent / "assets" / "tiny_chat.jsonl"
+BUNDLED_DATASET = Path(__file__).resolve().parents[1] / "assets" / "tiny_chat.jsonl"
 
 PAD_TOKEN, CHAT_START, CHAT_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 TOKENIZER_VOCAB_SIZE = 1024  # byte-level BPE: 256 byte symbols, 3 specials, the rest merges
@@ -119,7 +119,7 @@ def _pretrain(model, tokenizer, *, steps: int, seed: int, batch_size: int = 16, 
     (a random target babbles, and nothing a drafter learns from the data would be accepted)."""
     if steps <= 0:
         return None
-    from .data import MicroBatchSource, load_samples
+    from ..data import MicroBatchSource, load_samples
     samples, _ = load_samples([BUNDLED_DATASET], tokenizer, max_length=256)
     source = MicroBatchSource(samples, micro_batch_size=batch_size, seed=seed, pad_token_id=tokenizer.pad_token_id)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
