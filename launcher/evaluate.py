@@ -24,7 +24,7 @@ from dflash_core.serving.model_card import (
 )
 from launcher.config import ConfigError, compose_config, require
 from launcher.resolve import compute_dtype, dataset_paths, ensure_embedded_target, resolve_device, target_dir
-from launcher.serving.acceptance import per_position_from_steps, prompt_row, summarize
+from launcher.serving.acceptance import load_prompts, per_position_from_steps, prompt_row, summarize
 
 log = logging.getLogger("dflash")
 USAGE = """\
@@ -92,21 +92,6 @@ def check_output(ev: DictConfig) -> Path:
         raise ConfigError(f"evaluate.output={str(output)!r} already exists{what}; set evaluate.overwrite=true to "
                           f"replace it, or choose another evaluate.output")
     return output
-
-
-def load_prompts(paths, tokenizer, num_prompts: int, *, max_prompt_tokens: int,
-                 chat_template_kwargs: dict | None = None) -> tuple[list[list[int]], dict]:
-    """Token ids of the first num_prompts prompts that fit max_prompt_tokens: each conversation
-    without its last assistant turn (prompt-only records as they are), rendered like training
-    data (dflash_core.data.prompts)."""
-    from dflash_core.data.prompts import encode_prompts, iter_prompts
-
-    skipped = {}
-    prompts = encode_prompts(tokenizer, iter_prompts(paths, stats=skipped), max_tokens=max_prompt_tokens,
-                             limit=num_prompts, chat_template_kwargs=chat_template_kwargs, stats=skipped)
-    if not prompts:
-        raise ConfigError(f"evaluate.data: no usable prompt in {[str(p) for p in paths]} ({skipped})")
-    return [p.token_ids for p in prompts], skipped
 
 
 def evaluate(cfg: DictConfig) -> dict:

@@ -39,7 +39,7 @@ def evaluation_prompts(target_dir: Path, num_prompts: int = NUM_PROMPTS) -> list
     """The token ids launcher.evaluate decodes: the first bundled chats without their last answer."""
     from dflash_core.data import load_tokenizer
     from dflash_core.target.tiny import BUNDLED_DATASET
-    from launcher.evaluate import load_prompts
+    from launcher.serving.acceptance import load_prompts
 
     prompts, _ = load_prompts([BUNDLED_DATASET], load_tokenizer(target_dir), num_prompts,
                               max_prompt_tokens=1024 - MAX_NEW_TOKENS - BLOCK_SIZE)

@@ -1,4 +1,4 @@
-"""The head-loss Triton kernels (dflash_core/kernels/head_loss.py) give objective._head_loss_terms'
+"""The head loss with the Triton kernels (dflash_core/kernels/head_loss.py) gives the torch passes'
 results: on CPU through Triton's interpreter at small shapes, on a GPU at the production shape
 against the compiled terms (skipped without CUDA; run through the device tool)."""
 import time
@@ -6,15 +6,15 @@ import time
 import pytest
 import torch
 
-from dflash_core.loss.objective import LOSS_TYPES, _compiled_head_loss_terms, _FusedHeadLoss
+from dflash_core.loss.head_loss import LOSS_TYPES, FusedHeadLoss, compiled_head_loss_terms, triton_kernels
 from tests.launching import run_in_triton_interpreter
 
-# Run through run_in_triton_interpreter. Every case compares the kernels with _head_loss_terms on the same
+# Run through run_in_triton_interpreter. Every case compares the kernels with the torch passes on the same
 # logits; failures come back by name.
 _INTERPRETED = """
 import json, torch
 from dflash_core.kernels import head_loss as head_loss_kernels
-from dflash_core.loss.objective import _head_loss_terms
+from dflash_core.loss.head_loss import head_loss_terms, triton_kernels
 
 def logits_and_labels(vocab, dtype, gen):
     logits = (3 * torch.randn(24, vocab, generator=gen)).to(dtype)
@@ -38,9 +38,9 @@ for block in (head_loss_kernels.BLOCK, 256):   # one ragged chunk per row; sever
                 logits, labels = logits_and_labels(vocab, dtype, gen)
                 weights = (torch.rand(2, 3, 4, generator=gen) > 0.3).float()
                 weights[..., 0] = 0
-                want = _head_loss_terms(logits, labels, weights, loss_type, 4.0, 0.5)
+                want = head_loss_terms(logits, labels, weights, loss_type, 4.0, 0.5)
                 consumed = logits.clone()
-                got = head_loss_kernels.head_loss_terms_triton(consumed, labels, weights, loss_type, 4.0, 0.5)
+                got = head_loss_terms(consumed, labels, weights, loss_type, 4.0, 0.5, kernels=triton_kernels())
                 try:
                     assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in want]
                     torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-5, msg=lambda m: "ce: " + m)
@@ -104,9 +104,12 @@ def test_kernels_match_the_compiled_terms_at_the_production_shape(loss_type):
     """2048 x 151936 bf16 logits: CE within 1e-4 (fp32 sums over V in another order), final weights
     within 1e-4 relative, the same argmax hits, the gradient within bf16's rounding and zero where
     the weight is. Prints both versions' time per chunk."""
-    from dflash_core.kernels.head_loss import head_loss_terms_triton
+    from dflash_core.loss.head_loss import head_loss_terms
+
+    def head_loss_terms_triton(*args):
+        return head_loss_terms(*args, kernels=triton_kernels())
     logits, labels, weights = _chunk()
-    want = _compiled_head_loss_terms(logits, labels, weights, loss_type, 7.0, 0.5)
+    want = compiled_head_loss_terms(logits, labels, weights, loss_type, 7.0, 0.5)
     got = head_loss_terms_triton(logits.clone(), labels, weights, loss_type, 7.0, 0.5)
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-4)
     torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-6)
@@ -117,7 +120,7 @@ def test_kernels_match_the_compiled_terms_at_the_production_shape(loss_type):
     # gradient: the same work, whatever the values.
     buffer = logits.clone()
     kernels = _milliseconds(lambda: head_loss_terms_triton(buffer, labels, weights, loss_type, 7.0, 0.5))
-    compiled = _milliseconds(lambda: _compiled_head_loss_terms(logits, labels, weights, loss_type, 7.0, 0.5))
+    compiled = _milliseconds(lambda: compiled_head_loss_terms(logits, labels, weights, loss_type, 7.0, 0.5))
     print(f"\nhead-loss terms, {tuple(logits.shape)} bf16, {loss_type}: Triton kernels {kernels:.3f} ms, "
           f"torch.compile {compiled:.3f} ms per chunk")
 
@@ -125,18 +128,18 @@ def test_kernels_match_the_compiled_terms_at_the_production_shape(loss_type):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_fused_head_loss_runs_the_kernels_on_cuda_when_compiled(monkeypatch):
-    """_FusedHeadLoss with compiled=True on CUDA calls the kernels once per chunk (3 chunks, the last
+    """FusedHeadLoss with compiled=True on CUDA calls the kernels once per chunk (3 chunks, the last
     ragged), and its loss, weight sum and hits equal the eager terms'; d(loss)/dh is within 1e-2 relative
     (Frobenius) of theirs: bf16 GEMM outputs of nearly equal bf16 gradients."""
     from dflash_core.kernels import head_loss as head_loss_kernels
     calls = []
-    kernels = head_loss_kernels.head_loss_terms_triton
+    kernels = head_loss_kernels.row_statistics
 
     def counted(*args):
         calls.append(args)
         return kernels(*args)
 
-    monkeypatch.setattr(head_loss_kernels, "head_loss_terms_triton", counted)
+    monkeypatch.setattr(head_loss_kernels, "row_statistics", counted)
     gen = torch.Generator(device="cuda").manual_seed(1)
     hidden, vocab = 256, 5000
     h = torch.randn(2, 5, BLOCK_SIZE, hidden, device="cuda", generator=gen).bfloat16()
@@ -146,7 +149,7 @@ def test_fused_head_loss_runs_the_kernels_on_cuda_when_compiled(monkeypatch):
     outs = []
     for compiled in (False, True):
         h_leaf = h.clone().requires_grad_(True)
-        loss_sum, weight_sum, correct = _FusedHeadLoss.apply(h_leaf, head_weight, labels, weights, 2, "dpace", 7.0,
+        loss_sum, weight_sum, correct = FusedHeadLoss.apply(h_leaf, head_weight, labels, weights, 2, "dpace", 7.0,
                                                              0.5, compiled)
         loss_sum.backward()
         outs.append((loss_sum, weight_sum, correct, h_leaf.grad))

@@ -9,6 +9,7 @@ from torch import nn
 from dflash_core.drafter.model import DFlashDrafter
 from dflash_core.loss.anchors import all_valid_anchors, sample_anchors
 from dflash_core.loss.frozen_head import FrozenTargetHead
+from dflash_core.loss.head_loss import loss_weights
 from dflash_core.loss.objective import (
     block_input_ids,
     block_labels,
@@ -16,7 +17,6 @@ from dflash_core.loss.objective import (
     default_gamma,
     drafter_step,
     evaluate_tau,
-    loss_weights,
 )
 from dflash_core.target.families import drafter_config_for_target
 from tests.drafters import drafter_config
@@ -244,15 +244,18 @@ def test_evaluate_tau_counts_misses():
 def test_fused_head_loss_matches_plain_autograd(loss_type):
     """The gradient formed in the forward pass equals autograd through the logits (5 blocks in
     chunks of 2: a ragged last chunk)."""
-    from dflash_core.loss.objective import _chunk_loss, _FusedHeadLoss
+    from dflash_core.loss.head_loss import FusedHeadLoss
     generator = torch.Generator().manual_seed(0)
     h = torch.randn(2, 5, 4, HIDDEN, dtype=torch.float64, generator=generator, requires_grad=True)
     head = FrozenTargetHead.random(VOCAB, HIDDEN, seed=3, dtype=torch.float64)
     labels = torch.randint(0, VOCAB, (2, 5, 4), generator=generator)
     weights = (torch.rand(2, 5, 4, generator=generator) > 0.3).double()
     weights[..., 0] = 0
-    fused = _FusedHeadLoss.apply(h, head.lm_head_weight, labels, weights, 2, loss_type, 4.0, 0.5, False)
-    plain = _chunk_loss(h, labels, weights, head, loss_type, 4.0, 0.5)
+    fused = FusedHeadLoss.apply(h, head.lm_head_weight, labels, weights, 2, loss_type, 4.0, 0.5, False)
+    logits = head.logits(h.reshape(-1, HIDDEN)).float()
+    ce = F.cross_entropy(logits, labels.flatten(), reduction="none").view_as(weights)
+    final = loss_weights(ce.detach(), weights, loss_type=loss_type, gamma=4.0, alpha=0.5)
+    plain = (final * ce).sum(), final.sum(), (logits.argmax(-1) == labels.flatten()).view_as(labels)
     # An upstream gradient other than 1 checks that backward scales the saved gradient.
     (grad_fused,), (grad_plain,) = (torch.autograd.grad(out[0] * 3.0, h) for out in (fused, plain))
     torch.testing.assert_close(fused[0], plain[0].double(), rtol=1e-5, atol=1e-6)

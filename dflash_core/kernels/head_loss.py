@@ -1,26 +1,21 @@
-"""The head-loss terms of one chunk (objective._head_loss_terms) as two Triton kernels, for CUDA.
-
-torch.compile turns those terms into a vocabulary-wide reduction and a pointwise pass; on an H200
-the reduction alone takes ~3.9 ms per production step (2048 x 151936 bf16 logits per chunk), where
-the floor is three passes over the step's 2.5 GB of logits (~1.6 ms at HBM bandwidth). These
-kernels make exactly those passes:
+"""The head loss's two vocabulary-wide passes (dflash_core/loss/head_loss.py) as Triton kernels, for
+CUDA: exactly the passes the loss needs over the logits (why: docs/perf_notes.md, "Step time,
+fourth pass").
 
   1. row statistics, one program per row: a single read of the row in BLOCK-sized chunks, with an
      online max and sum of exponentials in fp32, the argmax and the label's logit -> log_z, ce, argmax;
-  2. (torch, on [B, c, Bs] tensors) the final loss weights from ce, by objective.loss_weights;
-  3. gradient, one program per BLOCK of a row: (exp(logit - log_z) - onehot(label)) * final weight,
+  2. gradient, one program per BLOCK of a row: (exp(logit - log_z) - onehot(label)) * final weight,
      read and written in the logits' own storage.
 
-The gradient overwrites the logits: the caller (objective._FusedHeadLoss) computes each chunk's
-logits only to turn them into this gradient, so the 0.6 GB second [rows, V] buffer per chunk is
-never allocated. Each element is read and written by the same program, and the statistics kernel
-has read the whole row before the gradient kernel starts (same stream), so in place is safe."""
+Between them the caller turns ce into the final loss weights. The gradient overwrites the logits:
+the caller computes each chunk's logits only to turn them into this gradient, so a second [rows, V]
+buffer per chunk is never allocated. Each element is read and written by the same program, and the
+statistics kernel has read the whole row before the gradient kernel starts (same stream), so in
+place is safe. This module imports nothing from the project."""
 
 import functools
 
 import torch
-
-from ..loss.objective import loss_weights
 
 
 @functools.cache   # built on first use: importing Triton costs a process that never steps on CUDA
@@ -72,24 +67,25 @@ def _kernels():
 BLOCK, NUM_WARPS = 4096, 8
 
 
-def head_loss_terms_triton(logits, labels, weights, loss_type, gamma, alpha):
-    """objective._head_loss_terms by the kernels above: from one chunk's logits [rows, V] (any float
-    dtype; labels in [0, V)), per-position CE and final weights [B, c, Bs] (fp32 CE), argmax hits,
-    and d(weighted CE sum)/d(logits) = (softmax - onehot) * weight in the logits' dtype.
-
-    The logits are consumed: a contiguous `logits` holds the returned gradient afterwards (the
-    gradient IS that tensor), so a caller must not read its logits after this call."""
-    row_stats_kernel, gradient_kernel = _kernels()
-    logits = logits.contiguous()
+def row_statistics(logits, labels):
+    """logits [rows, V] (any float dtype, contiguous), labels [rows] in [0, V) -> log_z, ce (fp32), argmax."""
+    row_stats_kernel, _ = _kernels()
     rows, vocab = logits.shape
-    flat_labels = labels.reshape(-1).contiguous()
     log_z = torch.empty(rows, dtype=torch.float32, device=logits.device)
     ce = torch.empty_like(log_z)
     argmax = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    row_stats_kernel[(rows,)](logits, flat_labels, log_z, ce, argmax, vocab, BLOCK=BLOCK, num_warps=NUM_WARPS)
-    ce = ce.view_as(weights)
-    final = loss_weights(ce, weights, loss_type=loss_type, gamma=gamma, alpha=alpha)
-    final_rows = final.reshape(-1).float().contiguous()
+    row_stats_kernel[(rows,)](logits.contiguous(), labels.contiguous(), log_z, ce, argmax, vocab, BLOCK=BLOCK,
+                              num_warps=NUM_WARPS)
+    return log_z, ce, argmax
+
+
+def gradient_in_place(logits, labels, log_z, final):
+    """(softmax - onehot) * final [rows], written over `logits` and returned: the logits are consumed,
+    so a caller must not read them after this call."""
+    _, gradient_kernel = _kernels()
+    if not logits.is_contiguous():
+        raise ValueError("gradient_in_place writes the gradient into the logits: they must be contiguous")
+    rows, vocab = logits.shape
     gradient_kernel[(rows * ((vocab + BLOCK - 1) // BLOCK),)](
-        logits, flat_labels, log_z, final_rows, vocab, BLOCK=BLOCK, num_warps=NUM_WARPS)
-    return ce, final, (argmax == flat_labels).view_as(labels), logits
+        logits, labels.contiguous(), log_z, final.float().contiguous(), vocab, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return logits

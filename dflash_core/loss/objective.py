@@ -8,12 +8,10 @@ the result does not depend on how the batch was split.
 from dataclasses import dataclass, fields
 
 import torch
-import torch.nn.functional as F
 
-from ..drafter.compile import compiled_function
 from .anchors import all_valid_anchors, sample_anchors
+from .head_loss import LOSS_TYPES, head_loss
 
-LOSS_TYPES = ("dflash", "dpace")
 # Decay constants of the DFlash recipe, indexed by block size.
 _KNOWN_GAMMAS = {8: 4.0, 10: 5.0, 16: 7.0}
 
@@ -127,103 +125,10 @@ def block_labels(input_ids, loss_mask, anchors, keep, block_size, position_ids=N
     return labels, weights.float()
 
 
-def loss_weights(ce, weights, *, loss_type, gamma, alpha):
-    """Per-position loss weights [B, c, Bs] from the 0/1 label weights (ce is detached).
-    dflash: w * exp(-(k-1)/gamma).
-    dpace:  q' = (1-alpha) exp(-ce) + alpha, prefix = cumprod of q' over slots 1..k,
-            weight_k = w_k * sum_{j>=k} prefix_j w_j  (d E[accepted] / d log q'_k)."""
-    slot = torch.arange(weights.shape[-1], device=weights.device, dtype=weights.dtype)
-    if loss_type == "dflash":
-        return weights * torch.exp(-(slot - 1) / gamma)
-    if loss_type == "dpace":
-        q = (1 - alpha) * torch.exp(-ce) + alpha
-        q[..., 0] = 1.0  # slot 0 is given, not drafted
-        reach = torch.cumprod(q, dim=-1) * weights
-        return weights * reach.flip(-1).cumsum(-1).flip(-1)
-    raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
-
-
-def _chunk_loss(h, labels, weights, head, loss_type, gamma, alpha):
-    """h [B, c, Bs, H] -> (weighted CE sum, weight sum, argmax == label [B, c, Bs])."""
-    # One [rows, H] x [H, V] GEMM: a 4-D slice can make matmul fall back to a batched GEMM
-    # of Bs-row blocks that re-reads the whole LM head per block (~70% of an 8B-shaped step on H200).
-    logits = head.logits(h.reshape(-1, h.shape[-1])).float()
-    ce = F.cross_entropy(logits, labels.flatten(), reduction="none").view_as(weights)
-    final = loss_weights(ce.detach(), weights, loss_type=loss_type, gamma=gamma, alpha=alpha)
-    correct = (logits.argmax(-1) == labels.flatten()).view_as(labels)
-    return (final * ce).sum(), final.sum().detach(), correct
-
-
-def _head_loss_terms(logits, labels, weights, loss_type, gamma, alpha):
-    """From one chunk's logits [rows, V]: per-position CE and final weights [B, c, Bs], argmax hits,
-    and d(weighted CE sum)/d(logits) = (softmax - onehot) * weight, in the logits' dtype."""
-    dtype, logits = logits.dtype, logits.float()
-    flat_labels = labels.flatten()
-    log_z = torch.logsumexp(logits, dim=-1)
-    ce = (log_z - logits.gather(1, flat_labels.unsqueeze(1)).squeeze(1)).view_as(weights)
-    final = loss_weights(ce, weights, loss_type=loss_type, gamma=gamma, alpha=alpha)
-    correct = (logits.argmax(-1) == flat_labels).view_as(labels)
-    onehot = torch.arange(logits.shape[1], device=logits.device) == flat_labels.unsqueeze(1)
-    grad_logits = (torch.exp(logits - log_z.unsqueeze(1)) - onehot.float()) * final.flatten().unsqueeze(1)
-    return ce, final, correct, grad_logits.to(dtype)
-
-
-# The same terms as one or two fused kernels: the [rows, V] fp32 temporaries above cost ~10 passes
-# over 0.3 GB per chunk in eager mode (~12 ms of an 8B-shaped step on H200). On CUDA the Triton
-# kernels of head_loss_kernels.py replace it: inductor's vocabulary-wide reduction alone took ~3.9 ms
-# per step there, where their three passes over the logits (statistics read, gradient read and
-# write) are ~1.6 ms at HBM bandwidth.
-_compiled_head_loss_terms = compiled_function("head_loss", _head_loss_terms)
-
-
-class _FusedHeadLoss(torch.autograd.Function):
-    """Weighted CE of lm_head(h) over all blocks, `chunk_blocks` blocks at a time, with d(loss)/dh
-    computed in the forward pass.
-
-    Activation checkpointing would run each chunk's [rows, V] logits GEMM twice (forward, then
-    again in backward); here the forward also forms (softmax - onehot) * weight and multiplies it
-    back through the head into one [B, N, Bs, H] gradient, so backward is a scale of one saved
-    tensor. Same FLOPs minus one head GEMM per chunk (~13% of an 8B-shaped step); logits never
-    outlive their chunk. One Function for all chunks rather than one per chunk slice: per-chunk
-    slices cost autograd a zero-filled full-size gradient and an accumulation each (~4 ms of an
-    8B-shaped step on H200)."""
-
-    @staticmethod
-    def forward(ctx, h, head_weight, labels, weights, chunk_blocks, loss_type, gamma, alpha, compiled):
-        if not compiled:
-            terms = _head_loss_terms
-        elif h.is_cuda:
-            # Imported here: head_loss_kernels imports this module. Its terms overwrite each chunk's
-            # logits with their gradient, which is safe because a chunk's logits are used for nothing else.
-            from ..kernels.head_loss import head_loss_terms_triton as terms
-        else:
-            terms = _compiled_head_loss_terms
-        grad_h = torch.empty_like(h)
-        loss_sum = weight_sum = 0.0
-        correct = []
-        for start in range(0, h.shape[1], chunk_blocks):
-            part = slice(start, start + chunk_blocks)
-            logits = h[:, part].reshape(-1, h.shape[-1]).to(head_weight.dtype) @ head_weight.T
-            ce, final, hit, grad_logits = terms(logits, labels[:, part], weights[:, part], loss_type, gamma, alpha)
-            grad_h[:, part] = (grad_logits @ head_weight).view_as(grad_h[:, part])
-            loss_sum = loss_sum + (final * ce).sum()
-            weight_sum = weight_sum + final.sum()
-            correct.append(hit)
-        ctx.save_for_backward(grad_h)
-        correct = torch.cat(correct, dim=1)
-        ctx.mark_non_differentiable(weight_sum, correct)
-        return loss_sum, weight_sum, correct
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_weight_sum, _grad_correct):
-        grad_h, = ctx.saved_tensors
-        return grad_h * grad_loss.to(grad_h.dtype), None, None, None, None, None, None, None, None
-
-
 def _run_blocks(drafter, head, input_ids, loss_mask, position_ids, features, anchors, keep, *,
                 loss_type, gamma, alpha, backend, chunk_blocks, compiled):
     """Drafter forward on the given blocks, then the loss in chunks of `chunk_blocks` blocks
-    (with grad: `_FusedHeadLoss`), so the [N*Bs, V] logits never exist at once."""
+    (head_loss.head_loss), so the [N*Bs, V] logits never exist at once."""
     cfg = drafter.config
     block_ids = block_input_ids(input_ids, anchors, cfg.block_size, cfg.mask_token_id)
     h = drafter(features, head.embed(block_ids), anchors, keep, position_ids=position_ids, backend=backend,
@@ -231,19 +136,9 @@ def _run_blocks(drafter, head, input_ids, loss_mask, position_ids, features, anc
     h = h.view(*anchors.shape, cfg.block_size, -1)
     labels, weights = block_labels(input_ids, loss_mask, anchors, keep, cfg.block_size, position_ids)
     gamma = default_gamma(cfg.block_size) if gamma is None else gamma
-    if torch.is_grad_enabled():
-        loss_sum, weight_sum, correct = _FusedHeadLoss.apply(h, head.lm_head_weight, labels, weights, chunk_blocks,
-                                                             loss_type, gamma, alpha, compiled)
-        return loss_sum, weight_sum, correct, weights
-
-    loss_sum, weight_sum, correct = 0.0, 0.0, []
-    for start in range(0, anchors.shape[1], chunk_blocks):
-        part = slice(start, start + chunk_blocks)
-        chunk = _chunk_loss(h[:, part], labels[:, part], weights[:, part], head, loss_type, gamma, alpha)
-        loss_sum = loss_sum + chunk[0]
-        weight_sum = weight_sum + chunk[1]
-        correct.append(chunk[2])
-    return loss_sum, weight_sum, torch.cat(correct, dim=1), weights
+    loss_sum, weight_sum, correct = head_loss(h, head, labels, weights, loss_type=loss_type, gamma=gamma, alpha=alpha,
+                                              chunk_blocks=chunk_blocks, compiled=compiled)
+    return loss_sum, weight_sum, correct, weights
 
 
 def _counts(loss_sum, weight_sum, correct, weights, keep):
@@ -279,7 +174,7 @@ def drafter_step(drafter, head, input_ids, loss_mask, hidden, *, position_ids=No
     gamma None -> default_gamma(block_size). fixed_anchors: optional (anchors, keep) used
     instead of sampling. Feature noise draws from the global RNG of hidden's device.
     compiled: the drafter's layers and the head-loss terms run through torch.compile (on CUDA the
-    head-loss terms of a training step run through the Triton kernels of head_loss_kernels.py)."""
+    head-loss terms of a training step run through the Triton kernels of kernels/head_loss.py)."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
     if fixed_anchors is None:

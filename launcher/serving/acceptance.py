@@ -1,4 +1,5 @@
-"""The acceptance report both evaluation engines give (HF decoding here, vLLM served).
+"""The prompts both evaluation engines decode and the acceptance report both give (HF decoding
+here, vLLM served).
 
 Per prompt an engine gives its verify steps (drafts) and, per draft position j (0..Bs-2), how many
 steps accepted the token drafted there; with greedy verification a step that accepts position j
@@ -6,6 +7,23 @@ accepted every position before it, so these counts alone give tau and the histog
 acceptance lengths, whichever engine counted them (vLLM exposes nothing finer).
 """
 from __future__ import annotations
+
+from launcher.config import ConfigError
+
+
+def load_prompts(paths, tokenizer, num_prompts: int, *, max_prompt_tokens: int,
+                 chat_template_kwargs: dict | None = None) -> tuple[list[list[int]], dict]:
+    """Token ids of the first num_prompts prompts that fit max_prompt_tokens: each conversation
+    without its last assistant turn (prompt-only records as they are), rendered like training
+    data (dflash_core.data.prompts)."""
+    from dflash_core.data.prompts import encode_prompts, iter_prompts
+
+    skipped = {}
+    prompts = encode_prompts(tokenizer, iter_prompts(paths, stats=skipped), max_tokens=max_prompt_tokens,
+                             limit=num_prompts, chat_template_kwargs=chat_template_kwargs, stats=skipped)
+    if not prompts:
+        raise ConfigError(f"evaluate.data: no usable prompt in {[str(p) for p in paths]} ({skipped})")
+    return [p.token_ids for p in prompts], skipped
 
 
 def per_position_from_steps(accepted: list[int], block_size: int) -> list[int]:

@@ -85,8 +85,8 @@ def evaluate_served(cfg: DictConfig) -> dict:
     from dflash_core.data import load_tokenizer
     from dflash_core.data.prompts import stop_token_ids
     from dflash_core.target.families import text_config
-    from launcher.evaluate import load_prompts
     from launcher.resolve import compute_dtype, dataset_paths, ensure_embedded_target, resolve_device, target_dir
+    from launcher.serving.acceptance import load_prompts
 
     ev = cfg.evaluate
     # The HF engine's compute dtype (target.dtype on evaluate.device), so both engines compare alike.

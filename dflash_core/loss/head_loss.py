@@ -1,0 +1,139 @@
+"""The loss at the target's frozen LM head: weighted cross-entropy of lm_head(h) over all blocks.
+
+One definition, `head_loss_terms`: from one chunk's logits [rows, V], the per-position CE, the final
+loss weights, the argmax hits and, when training, d(weighted CE sum)/d(logits). Evaluation, eager
+and compiled training steps run it with torch's row statistics and gradient; a compiled step on
+CUDA runs it with the Triton kernels of dflash_core/kernels/head_loss.py in their place (why:
+docs/perf_notes.md, "Step time, fourth pass"). `head_loss` runs it chunk by chunk, so the [N*Bs, V]
+logits never exist at once.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
+
+import torch
+
+from ..drafter.compile import compiled_function
+
+LOSS_TYPES = ("dflash", "dpace")
+
+
+def loss_weights(ce, weights, *, loss_type, gamma, alpha):
+    """Per-position loss weights [B, c, Bs] from the 0/1 label weights (ce is detached).
+    dflash: w * exp(-(k-1)/gamma).
+    dpace:  q' = (1-alpha) exp(-ce) + alpha, prefix = cumprod of q' over slots 1..k,
+            weight_k = w_k * sum_{j>=k} prefix_j w_j  (d E[accepted] / d log q'_k)."""
+    slot = torch.arange(weights.shape[-1], device=weights.device, dtype=weights.dtype)
+    if loss_type == "dflash":
+        return weights * torch.exp(-(slot - 1) / gamma)
+    if loss_type == "dpace":
+        q = (1 - alpha) * torch.exp(-ce) + alpha
+        q[..., 0] = 1.0  # slot 0 is given, not drafted
+        reach = torch.cumprod(q, dim=-1) * weights
+        return weights * reach.flip(-1).cumsum(-1).flip(-1)
+    raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
+
+
+class RowKernels(NamedTuple):
+    """The two vocabulary-wide passes of the head loss."""
+    statistics: Callable   # (logits [rows, V], labels [rows]) -> log_z, ce (fp32), argmax [rows]
+    gradient: Callable     # (logits, labels, log_z, final [rows]) -> (softmax - onehot) * final, logits' dtype
+
+
+def _torch_statistics(logits, labels):
+    logits = logits.float()
+    log_z = torch.logsumexp(logits, dim=-1)
+    return log_z, log_z - logits.gather(1, labels.unsqueeze(1)).squeeze(1), logits.argmax(-1)
+
+
+def _torch_gradient(logits, labels, log_z, final):
+    onehot = torch.arange(logits.shape[1], device=logits.device) == labels.unsqueeze(1)
+    grad = (torch.exp(logits.float() - log_z.unsqueeze(1)) - onehot.float()) * final.unsqueeze(1)
+    return grad.to(logits.dtype)
+
+
+TORCH_KERNELS = RowKernels(_torch_statistics, _torch_gradient)
+
+
+def triton_kernels() -> RowKernels:
+    """The Triton passes, which overwrite the logits with their gradient: a chunk's logits are
+    computed only to become it. Imported on first use: a process that never steps on CUDA never
+    imports Triton."""
+    from ..kernels import head_loss as kernels
+    return RowKernels(kernels.row_statistics, kernels.gradient_in_place)
+
+
+def head_loss_terms(logits, labels, weights, loss_type, gamma, alpha, kernels=TORCH_KERNELS, with_gradient=True):
+    """One chunk's (ce, final weights [B, c, Bs], argmax hits, d(weighted CE sum)/d(logits) or None)."""
+    flat_labels = labels.reshape(-1)
+    log_z, ce, argmax = kernels.statistics(logits, flat_labels)
+    ce = ce.view_as(weights)
+    final = loss_weights(ce, weights, loss_type=loss_type, gamma=gamma, alpha=alpha)
+    correct = (argmax == flat_labels).view_as(labels)
+    grad_logits = kernels.gradient(logits, flat_labels, log_z, final.reshape(-1)) if with_gradient else None
+    return ce, final, correct, grad_logits
+
+
+compiled_head_loss_terms = compiled_function("head_loss", head_loss_terms)
+
+
+class FusedHeadLoss(torch.autograd.Function):
+    """Weighted CE of lm_head(h) over all blocks, `chunk_blocks` blocks at a time, with d(loss)/dh
+    computed in the forward pass.
+
+    Activation checkpointing would run each chunk's [rows, V] logits GEMM twice (forward, then
+    again in backward); here the forward also forms (softmax - onehot) * weight and multiplies it
+    back through the head into one [B, N, Bs, H] gradient, so backward is a scale of one saved
+    tensor: the same FLOPs minus one head GEMM per chunk, and logits never outlive their chunk.
+    One Function for all chunks rather than one per chunk slice: per-chunk slices cost autograd a
+    zero-filled full-size gradient and an accumulation each."""
+
+    @staticmethod
+    def forward(ctx, h, head_weight, labels, weights, chunk_blocks, loss_type, gamma, alpha, compiled):
+        if not compiled:
+            terms = head_loss_terms
+        elif h.is_cuda:
+            terms = functools.partial(head_loss_terms, kernels=triton_kernels())
+        else:
+            terms = compiled_head_loss_terms
+        grad_h = torch.empty_like(h)
+        loss_sum = weight_sum = 0.0
+        correct = []
+        for start in range(0, h.shape[1], chunk_blocks):
+            part = slice(start, start + chunk_blocks)
+            logits = h[:, part].reshape(-1, h.shape[-1]).to(head_weight.dtype) @ head_weight.T
+            ce, final, hit, grad_logits = terms(logits, labels[:, part], weights[:, part], loss_type, gamma, alpha)
+            grad_h[:, part] = (grad_logits @ head_weight).view_as(grad_h[:, part])
+            loss_sum = loss_sum + (final * ce).sum()
+            weight_sum = weight_sum + final.sum()
+            correct.append(hit)
+        ctx.save_for_backward(grad_h)
+        correct = torch.cat(correct, dim=1)
+        ctx.mark_non_differentiable(weight_sum, correct)
+        return loss_sum, weight_sum, correct
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_weight_sum, _grad_correct):
+        grad_h, = ctx.saved_tensors
+        return grad_h * grad_loss.to(grad_h.dtype), None, None, None, None, None, None, None, None
+
+
+def head_loss(h, head, labels, weights, *, loss_type, gamma, alpha, chunk_blocks, compiled):
+    """h [B, N, Bs, H] -> (weighted CE sum, weight sum, argmax == label [B, N, Bs]); with grad
+    enabled through `FusedHeadLoss`, without it (evaluation) by the same terms, chunk by chunk."""
+    if torch.is_grad_enabled():
+        return FusedHeadLoss.apply(h, head.lm_head_weight, labels, weights, chunk_blocks, loss_type, gamma, alpha,
+                                   compiled)
+    loss_sum, weight_sum, correct = 0.0, 0.0, []
+    for start in range(0, h.shape[1], chunk_blocks):
+        part = slice(start, start + chunk_blocks)
+        # One [rows, H] x [H, V] GEMM: a 4-D slice can make matmul fall back to a batched GEMM of
+        # Bs-row blocks that re-reads the whole LM head per block.
+        logits = head.logits(h[:, part].reshape(-1, h.shape[-1]))
+        ce, final, hit, _ = head_loss_terms(logits, labels[:, part], weights[:, part], loss_type, gamma, alpha,
+                                            with_gradient=False)
+        loss_sum = loss_sum + (final * ce).sum()
+        weight_sum = weight_sum + final.sum()
+        correct.append(hit)
+    return loss_sum, weight_sum, torch.cat(correct, dim=1)
