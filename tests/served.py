@@ -70,16 +70,17 @@ def fit_export(target_dir: Path, out_dir: Path, *, dtype=torch.float32) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash_core.data.prompts import stop_token_ids
-    from dflash_core.drafter.model import DFlashDrafter, DrafterConfig
+    from dflash_core.drafter.model import DFlashDrafter
     from dflash_core.loss.objective import drafter_step
     from dflash_core.serving.export import export_drafter
     from dflash_core.serving.speculative import head_from_target
+    from dflash_core.target.families import drafter_config_for_target
     from dflash_core.target.tiny import first_unused_token_id
 
     torch.manual_seed(0)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    cfg = DrafterConfig.from_target(target.config, num_layers=2, block_size=BLOCK_SIZE, target_layer_ids=[0, 2],
+    cfg = drafter_config_for_target(target.config, num_layers=2, block_size=BLOCK_SIZE, target_layer_ids=[0, 2],
                                     mask_token_id=first_unused_token_id(tokenizer, target.config))
     eos = stop_token_ids(tokenizer, target.generation_config)
     input_ids, loss_mask, hidden_states = _own_answers(target, evaluation_prompts(target_dir, FIT_PROMPTS), eos)

@@ -11,12 +11,13 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from dflash_core.drafter.model import DFlashDrafter, DrafterConfig
+from dflash_core.drafter.model import DFlashDrafter
 from dflash_core.files.readers import BadFileError
 from dflash_core.loss.frozen_head import FrozenTargetHead
 from dflash_core.serving.export import export_drafter
 from dflash_core.serving.model_card import TARGET_IDENTITY, read_card_info, target_identity
 from dflash_core.target.capture import load_target
+from dflash_core.target.families import drafter_config_for_target
 from dflash_core.target.tiny import first_unused_token_id
 from launcher import evaluate
 from launcher import export as export_cli
@@ -41,7 +42,7 @@ def fitting_drafter(tiny_target_dir):
     """A one-layer drafter built for the tiny target."""
     config = AutoConfig.from_pretrained(tiny_target_dir)
     mask_id = first_unused_token_id(AutoTokenizer.from_pretrained(tiny_target_dir), config)
-    return DFlashDrafter(DrafterConfig.from_target(config, num_layers=1, block_size=4, mask_token_id=mask_id), seed=0)
+    return DFlashDrafter(drafter_config_for_target(config, num_layers=1, block_size=4, mask_token_id=mask_id), seed=0)
 
 
 def save_checkpoint(root: Path, drafter, step: int, keep: int = 2) -> Path:
