@@ -5,6 +5,7 @@ Roles read these and never the raw config: each section is the schema's own data
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,7 +61,9 @@ class Job:
     schedule: Schedule
     tokenizer_dir: Path
     packing: bool                # several whole conversations per fixed-length training row
-    data_sources: list[Path]     # data.paths resolved: each dataset source once (directories listed)
+    # data.paths resolved when called (each dataset source once, directories listed): only the ranks that
+    # read the data call it, so a rank without the data mounted, or the bench before it writes them, need not.
+    data_sources: Callable[[], list[Path]]
     run: RunSettings             # the config's sections, typed
     train: TrainSettings
     optim: OptimSettings

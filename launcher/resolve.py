@@ -8,6 +8,7 @@ whether the drafter compiles and for which static shape it warms up.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -213,10 +214,11 @@ def resolve(cfg: DictConfig, topology: Topology, device: torch.device) -> Job:
                         dtype=compute_dtype(cfg.target.dtype, device), parallel=cfg.target.parallel,
                         tp_size=cfg.target.tp_size, random_weights=cfg.target.random_weights,
                         attention=target_attention(packed, device, hf_config))
-    typed = OmegaConf.to_object
+    typed = OmegaConf.to_object   # each section as the schema's dataclass
+    data = typed(cfg.data)
     return Job(topology=topology, device=device, target=target, drafter=dcfg,
                step=step_settings(cfg.drafter, backend, plan.compiled), compile=plan,
                schedule=schedule(cfg, topology), tokenizer_dir=tokenizer_dir(cfg), packing=packed,
-               data_sources=dataset_paths(cfg.data.paths, "data.paths"), run=typed(cfg.run), train=typed(cfg.train),
-               optim=typed(cfg.optim), data=typed(cfg.data), channel=typed(cfg.channel), fault=typed(cfg.fault),
-               cfg=cfg)
+               data_sources=partial(dataset_paths, data.paths, "data.paths"), run=typed(cfg.run),
+               train=typed(cfg.train), optim=typed(cfg.optim), data=data, channel=typed(cfg.channel),
+               fault=typed(cfg.fault), cfg=cfg)

@@ -28,5 +28,5 @@ def test_prepare_fills_the_stores_training_opens_and_says_what_it_will_find(tmp_
     assert "lengths: min" in printed and "#" in printed
     monkeypatch.setattr(tokenize, "tokenize_source", lambda *a, **k: pytest.fail("training tokenised again"))
     job = resolve(compose_config(overrides), Topology(1, 1), torch.device("cpu"))   # as a target rank loads them
-    samples, stats = load_run_samples(job.data_sources, job.data, load_tokenizer(job.tokenizer_dir))
+    samples, stats = load_run_samples(job.data_sources(), job.data, load_tokenizer(job.tokenizer_dir))
     assert len(samples) == stats["kept"] == 30 and stats["dropped_duplicate"] == 4

@@ -204,8 +204,8 @@ def _normed(norm, x):
 
 
 # The context's norm and the final one, outside the layers: eager, each is ~6 passes over fp32 copies of
-# [rows, H] forward and ~12 backward (2.3 ms of an 8B-shaped step on H200); compiled, one read and one
-# write each way. One graph per shape (context rows, block rows).
+# [rows, H] forward and ~12 backward; compiled, one read and one write each way (what it saves:
+# docs/perf_notes.md, the step-time pass that compiled the norms). One graph per shape (context rows, block rows).
 _compiled_normed = compiled_function("rms_norm", _normed)
 
 

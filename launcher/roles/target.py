@@ -27,7 +27,7 @@ def build_sources(job: Job, progress=None) -> tuple[MicroBatchSource, MicroBatch
     progress(done, total) is called while records are tokenised (not when the stores are prepared)."""
     data, seed = job.data, job.run.seed
     tokenizer = load_tokenizer(job.tokenizer_dir)
-    samples, stats = load_run_samples(job.data_sources, data, tokenizer, progress)
+    samples, stats = load_run_samples(job.data_sources(), data, tokenizer, progress)
     order = list(range(len(samples)))
     random.Random(seed).shuffle(order)
     num_eval = 0

@@ -74,7 +74,7 @@ def record(job: Job) -> dict:
     stream = {"micro-batches per step": sched.train_per_step, "train.micro_batch_size": job.train.micro_batch_size,
               "run.seed": job.run.seed, "data.packing": job.packing, "held-out split": sched.eval_batches > 0,
               **{f"data.{key}": value for key, value in asdict(job.data).items() if key not in _NOT_STREAM}}
-    return {"model": model, "stream": stream, "data_files": data_fingerprints(job.data_sources),
+    return {"model": model, "stream": stream, "data_files": data_fingerprints(job.data_sources()),
             "split": {"drafter ranks": sched.num_drafters,
                                                         "train.grad_accum": sched.grad_accum},
             "config": _flat(OmegaConf.to_container(job.cfg, resolve=True))}
