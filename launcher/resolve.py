@@ -22,6 +22,7 @@ from dflash_core.target.capture import check_target_files
 from dflash_core.target.families import drafter_config_for_target, text_config
 from dflash_core.target.tiny import BUNDLED_DATASET, first_unused_token_id
 from launcher.config import ConfigError
+from launcher.config.schema import DrafterSettings
 from launcher.distributed.schedule import Schedule
 from launcher.distributed.topology import Topology
 from launcher.job import CompilePlan, Job, TargetPlan
@@ -189,9 +190,9 @@ def longest_conversation(cfg: DictConfig) -> tuple[int, list[str]]:
     return longest, [key for key, length in lengths.items() if length == longest]
 
 
-def step_settings(drafter, backend: str, compiled: bool) -> StepSettings:
-    """The drafter step's settings from the `drafter` section (a DictConfig or the schema's
-    DrafterSettings), with the attention backend and compilation already resolved."""
+def step_settings(drafter: DrafterSettings, backend: str, compiled: bool) -> StepSettings:
+    """The drafter step's settings from the `drafter` section, with the attention backend and
+    compilation already resolved; a null drafter.gamma is the block size's default."""
     return StepSettings(num_anchors=drafter.num_anchors, loss=drafter.loss,
                         gamma=default_gamma(drafter.block_size) if drafter.gamma is None else drafter.gamma,
                         dpace_alpha=drafter.dpace_alpha, backend=backend, chunk_blocks=drafter.chunk_blocks,
@@ -217,7 +218,7 @@ def resolve(cfg: DictConfig, topology: Topology, device: torch.device) -> Job:
     typed = OmegaConf.to_object   # each section as the schema's dataclass
     data = typed(cfg.data)
     return Job(topology=topology, device=device, target=target, drafter=dcfg,
-               step=step_settings(cfg.drafter, backend, plan.compiled), compile=plan,
+               step=step_settings(typed(cfg.drafter), backend, plan.compiled), compile=plan,
                schedule=schedule(cfg, topology), tokenizer_dir=tokenizer_dir(cfg), packing=packed,
                data_sources=partial(dataset_paths, data.paths, "data.paths"), run=typed(cfg.run),
                train=typed(cfg.train), optim=typed(cfg.optim), data=data, channel=typed(cfg.channel),
