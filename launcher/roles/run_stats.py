@@ -1,5 +1,5 @@
-"""The drafter loop's running statistics: losses, tokens, waiting, anchor fill, skipped steps, in
-total and per log window; at the end a DrafterStats for the summary (launcher/run_io/summary.py)."""
+"""What the drafter loop counts while it trains, and the DrafterStats it reports at the end (the
+summary, launcher/run_io/summary.py, formats them)."""
 from __future__ import annotations
 
 import time

@@ -49,7 +49,7 @@ class DrafterStats:
     anchor_fill: float | None      # valid anchor slots / all anchor slots
     valid_anchors: float
     skipped_steps: int
-    first_loss: float | None       # mean of the first RunStats.LOSS_WINDOW steps
+    first_loss: float | None       # mean loss of the first steps (10: the console's "mean of 10 steps")
     last_loss: float | None        # ... and of the last
     items: int                     # micro-batches received
     compiles: int                  # graphs compiled
