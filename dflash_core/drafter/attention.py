@@ -33,8 +33,9 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from .compile import compiled_function
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
-BACKENDS = ("auto", "flex", "flash", "sdpa")
 FLEX_BACKENDS = ("flex", "flash")  # the flex_attention call with a BlockMask, by its kernels
+RESOLVED_BACKENDS = (*FLEX_BACKENDS, "sdpa")  # what resolve_backend answers: the kernels a forward runs
+BACKENDS = ("auto", *RESOLVED_BACKENDS)
 TILE = 128  # flex_attention's default sparse block (tile) size, on both axes
 _PADDED_ROWS = 256  # query rows of the largest kernel tile (FLASH: 2 x 128 on Hopper)
 
