@@ -20,6 +20,7 @@ import torch
 PLAUSIBLE_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "GH200": 989.0,
                          "A100": 312.0, "A800": 312.0, "B200": 2250.0}
 REMEASURE_FACTOR = 5
+H200_HBM_TB_PER_S = 4.8   # the spec sheet's HBM bandwidth: the floor of a memory-bound pass
 
 
 def plausible_peak(device_name: str) -> float | None:
