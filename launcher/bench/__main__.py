@@ -160,7 +160,8 @@ def _drafter_job(bench: Bench) -> Job:
     cfg = compose_config(bench.overrides(bench.data_path, max(args.seqs + [args.mix_seq]), args.warmup + args.steps))
     isolate("drafter", bench.e2e_topology.num_targets, 1, bench.work / "compile_cache", bench.device,
             cfg.isolation.recompile_limit, cfg.isolation.compile_threads)
-    if args.tiny:   # tiny shapes on cores other jobs share: more threads only spin
+    # Tiny shapes on cores other jobs share: more threads only spin (docs/perf_notes.md, "Figures the code quoted").
+    if args.tiny:
         torch.set_num_threads(1)
     return resolve(cfg, Topology(num_targets=0, num_drafters=1), bench.device)
 

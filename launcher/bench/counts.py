@@ -34,8 +34,9 @@ def drafter_step_flops_breakdown(cfg, seq_len: int, anchors) -> dict:
       fc        = 6 * L * H * H * S        the feature projection, per context token
 
     MFU counts model FLOPs only (no recomputation; the fused head loss does none for the LM head).
-    fc follows the issue's 6x although its input (the target's hidden states)
-    needs no gradient, so the step really does 4x there (the difference is ~1% at the 8B shape).
+    fc follows the issue's 6x although its input (the target's hidden states) needs no gradient,
+    so the step really does 4x there (how little that moves the total: docs/perf_notes.md, "The two
+    numbers").
     """
     n, bs, hidden = cfg.num_hidden_layers, cfg.block_size, cfg.hidden_size
     if isinstance(anchors, int):
