@@ -15,9 +15,17 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from dflash_core.drafter.model import DrafterConfig, default_target_layer_ids
+from dflash_core.drafter.model import default_target_layer_ids
 from dflash_core.target.capture import load_target
-from dflash_core.target.families import FAMILIES, TargetError, family_of, num_layers_of, packing_supported, text_config
+from dflash_core.target.families import (
+    FAMILIES,
+    TargetError,
+    drafter_config_for_target,
+    family_of,
+    num_layers_of,
+    packing_supported,
+    text_config,
+)
 from dflash_core.target.tiny import TINY_SHAPES, build_tiny_target
 from tests.launching import torchrun
 
@@ -147,7 +155,7 @@ def test_drafter_config_from_each_family(family_dirs, family):
     path = family_dirs[family]
     config, tokenizer = AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     mask_token_id = first_unused_token_id(tokenizer, config)
-    drafter = DrafterConfig.from_target(config, num_layers=2, block_size=8, mask_token_id=mask_token_id)
+    drafter = drafter_config_for_target(config, num_layers=2, block_size=8, mask_token_id=mask_token_id)
     shape = TINY_SHAPES[family]
     assert drafter.hidden_size == shape["hidden_size"] and drafter.head_dim == shape["head_dim"]
     assert drafter.target_layer_ids == [0, 2] and drafter.num_target_layers == 4
@@ -156,7 +164,7 @@ def test_drafter_config_from_each_family(family_dirs, family):
     dense = FAMILIES[family].dense_intermediate_key
     assert drafter.intermediate_size == (shape["intermediate_size"] if dense else 3 * shape["hidden_size"])
     with pytest.raises(ValueError, match="include the target's last layer 3: the target has 4 layers"):
-        DrafterConfig.from_target(config, num_layers=2, block_size=8, mask_token_id=mask_token_id,
+        drafter_config_for_target(config, num_layers=2, block_size=8, mask_token_id=mask_token_id,
                                   target_layer_ids=[0, 3])
 
 
@@ -190,7 +198,7 @@ def test_composite_qwen3_5_checkpoint_loads_its_text_decoder(tmp_path):
     assert target.num_kept_layers == 3 and target.num_layers == 4 and target.hidden_size == 128
     head = FrozenTargetHead.from_target_dir(tmp_path, dtype=torch.float32)
     assert torch.equal(head.embed_weight, model.model.language_model.embed_tokens.weight)
-    drafter = DrafterConfig.from_target(AutoConfig.from_pretrained(tmp_path), num_layers=2, block_size=8,
+    drafter = drafter_config_for_target(AutoConfig.from_pretrained(tmp_path), num_layers=2, block_size=8,
                                         mask_token_id=1000)
     assert (drafter.hidden_size, drafter.vocab_size, drafter.num_target_layers) == (128, 1024, 4)
 
@@ -202,7 +210,7 @@ def test_real_shapes_build_their_family(shape, family, layer_ids):
     from dflash_core.target.shapes import config_from_shape
     config = config_from_shape(shape)
     assert family_of(config).name == family
-    drafter = DrafterConfig.from_target(config, num_layers=5, block_size=16, mask_token_id=config.vocab_size - 1)
+    drafter = drafter_config_for_target(config, num_layers=5, block_size=16, mask_token_id=config.vocab_size - 1)
     assert drafter.target_layer_ids == layer_ids
     target = random_target(config, layer_ids=[1], device="meta", dtype=torch.bfloat16)  # shapes only, no memory
     assert target.num_kept_layers == 2 and target.num_layers == config.num_hidden_layers
