@@ -203,9 +203,9 @@ def _normed(norm, x):
     return norm(x)
 
 
-# The context's norm and the final one, outside the layers: eager, each is ~6 passes over fp32 copies of
-# [rows, H] forward and ~12 backward; compiled, one read and one write each way (what it saves:
-# docs/perf_notes.md, the step-time pass that compiled the norms). One graph per shape (context rows, block rows).
+# The context's norm and the final one, outside the layers: eager, each makes several passes over fp32
+# copies of [rows, H] each way; compiled, one read and one write (what it saves: docs/perf_notes.md,
+# the step-time pass that compiled the norms). One graph per shape (context rows, block rows).
 _compiled_normed = compiled_function("rms_norm", _normed)
 
 

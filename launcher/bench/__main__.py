@@ -50,7 +50,7 @@ from launcher.bench.stages import (
 
 if TYPE_CHECKING:
     from launcher.distributed.topology import Topology
-    from launcher.resolve import Job
+    from launcher.job import Job
 
 
 def run(args) -> dict:
@@ -206,11 +206,9 @@ def _prepare_mix(args, job: Job, work: Path):
     """The mix rows' lengths: the user's (--lengths) or the built-in mix, cut to --mix-seq, written
     as a conversation file for the end-to-end rows and read back as training reads it; the stage
     rows use that realised mix, so every mix row sees the same lengths."""
-    from omegaconf import OmegaConf
-
     from dflash_core.data import load_tokenizer
 
-    kwargs = OmegaConf.to_container(job.cfg.data.chat_template_kwargs)
+    kwargs = job.data.chat_template_kwargs
     if args.lengths:
         nominal = mix_from_file(args.lengths, load_tokenizer(job.tokenizer_dir), max_length=args.mix_seq,
                                 count=args.mix_samples, chat_template_kwargs=kwargs)
@@ -355,10 +353,10 @@ def _baseline_spec(bench: Bench, job: Job) -> dict:
         target_device, devices = "cuda:0", [f"cuda:{num_gpus - 1}"] * 2
     backend = args.baseline_backend if args.baseline_backend != "auto" else ("flex" if bench.cuda else "sdpa")
     return {"target_dir": str(bench.target_dir), "drafter_config": dataclasses.asdict(job.drafter),
-            "seq_len": args.e2e_seq, "num_anchors": args.anchors, "chunk_blocks": int(job.cfg.drafter.chunk_blocks),
+            "seq_len": args.e2e_seq, "num_anchors": args.anchors, "chunk_blocks": job.step.chunk_blocks,
             "items_per_thread": args.baseline_steps, "target_device": target_device, "drafter_devices": devices,
             "backend": backend, "fx_noise": args.fx_noise, "timeout_s": max(30.0, args.baseline_timeout - 60),
-            "seed": 0, "lr": float(job.cfg.optim.lr)}
+            "seed": 0, "lr": job.optim.lr}
 
 
 def _free(device: torch.device) -> None:

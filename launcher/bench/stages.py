@@ -193,7 +193,7 @@ def drafter_stage(job, workloads: list[Workload], *, work: Path, warmup: int, st
     store_path.unlink(missing_ok=True)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.FileStore(str(store_path), 1), rank=0, world_size=1,
-                            timeout=timedelta(seconds=job.cfg.run.timeout_s),
+                            timeout=timedelta(seconds=job.run.timeout_s),
                             device_id=device if backend == "nccl" else None)
     try:
         t0 = time.perf_counter()

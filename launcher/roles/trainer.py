@@ -173,7 +173,7 @@ class DrafterTrainer:
         """AdamW on gradients * multiplier, or no update at all where `skipped`. The kernel (on CUDA
         dflash_core/kernels/fused_adamw.py's, on CPU torch's fused one given AMP's grad_scale and found_inf)
         scales each gradient as it reads it and does nothing where `skipped`, sparing a separate pass
-        over every gradient (2 GB of them at the 8B shape) and a host read of the skip decision."""
+        over every gradient (the whole drafter's worth of them) and a host read of the skip decision."""
         self.optimizer.step_scaled(multiplier, skipped)
 
     def warm_up(self, rows: int, seq_len: int, evaluates: bool) -> float:
