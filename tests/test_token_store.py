@@ -9,7 +9,7 @@ import torch
 from transformers import AutoTokenizer
 
 import dflash_core.data.parallel as parallel
-from dflash_core.data import MicroBatchSource, load_samples
+from dflash_core.data import DataError, MicroBatchSource, load_samples
 from dflash_core.target.tiny import BUNDLED_DATASET
 from tests.data_reference import reference_samples
 from tests.test_chat_formats import THINKING, TOOL_CALLING, TOOLS, build_tokenizer
@@ -72,7 +72,7 @@ def test_a_pool_of_processes_gives_the_same_samples_and_stats(tmp_path, tokenize
     lines = [json.dumps({"conversations": [{"role": "user", "content": f"What is {k} + 1?"},
                                            {"role": "assistant", "content": f"It is {k + 1}."}]})
              for k in range(700)]
-    lines[300] = "{not json"                                           # a bad row read in the main process
+    lines[300] = "{not json"                                           # a bad row, read by a worker
     lines[5] = json.dumps({"messages": [{"role": "user", "content": "only a prompt"}]})  # no pair: dropped
     path = tmp_path / "many.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -83,7 +83,9 @@ def test_a_pool_of_processes_gives_the_same_samples_and_stats(tmp_path, tokenize
                                   cache_dir=tmp_path / "cache", progress=lambda done, total: seen.append((done, total)))
     assert_same_samples(two, one)
     assert two_stats == one_stats and one_stats["skipped_invalid_json"] == 1 and one_stats["dropped_no_pair"] == 1
-    assert seen[-1] == (699, 700) and len(seen) == -(-699 // parallel.CHUNK_RECORDS)  # one report per chunk
+    assert seen[-1] == (700, 700) and len(seen) == -(-700 // parallel.CHUNK_RECORDS)  # one report per line range
+    with pytest.raises(DataError, match=r"many\.jsonl.*line 301"):   # refused by the worker that read it
+        load_samples(path, tokenizer, max_length=512, on_bad_line="fail", num_proc=2, cache_dir=tmp_path / "cache2")
 
 
 def test_duplicate_records_are_dropped_and_counted(tmp_path, tokenizer):

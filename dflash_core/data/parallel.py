@@ -1,9 +1,11 @@
 """Records -> tokenised chunks, in this process or spread over a pool of processes.
 
-The main process reads and normalises the records (records.py: bad rows counted or refused
-there) and deals them out in chunks of CHUNK_RECORDS consecutive records; each chunk is rendered
-and tokenised by one worker (ChunkTokenizer) and the chunks are taken back in order, so the
-samples, their order and the statistics are the same whatever the number of processes. The pool
+A source is cut into chunks of about CHUNK_RECORDS consecutive records; each chunk is read,
+rendered and tokenised by one worker (ChunkTokenizer) and the chunks are taken back in order, so
+the samples, their order and the statistics are the same whatever the number of processes. A
+.jsonl file is dealt out as line-aligned byte ranges, which each worker reads and parses itself
+(records.py: bad rows counted or refused there), so the main process only finds line ends; other
+formats are read by the main process and dealt out as records. The pool
 starts workers with `spawn` (a fork would copy the Rust tokenizer's thread pool and the caller's
 threads); each worker gets the tokenizer once, pickled, at start. Small sources stay in-process:
 starting workers costs seconds.
@@ -11,6 +13,7 @@ starting workers costs seconds.
 from __future__ import annotations
 
 import itertools
+import mmap
 import multiprocessing
 import os
 import sys
@@ -21,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .records import BAD_LINE_REASONS, Record, count_bad_line, read_records
+from .records import BAD_LINE_REASONS, Record, count_bad_line, jsonl_rows, read_records, records_from_rows
 from .render import ChatRenderer
 from .store import Chunk, sample_hash
 
@@ -77,6 +80,21 @@ class ChunkTokenizer:
             self._renderer = ChatRenderer(self.tokenizer, self.settings["chat_template_kwargs"])
         return self._renderer.conversation(record, self.settings["last_turn_only"])
 
+    def read_lines(self, path: str, start: int, end: int, first_line: int) -> tuple[Chunk, dict, tuple | None]:
+        """`__call__` on the records of bytes [start, end) of a .jsonl file, which start at line
+        first_line. Ordinals count from first_line, so they keep file order across ranges."""
+        stats = {}
+        with open(path, "rb") as f:
+            f.seek(start)
+            lines = f.read(end - start).split(b"\n")
+        records = records_from_rows(path, jsonl_rows(lines[:-1] if lines[-1] == b"" else lines, first_line),
+                                    on_bad_line=self.settings["on_bad_line"], stats=stats)
+        items, read_bad = take_records(records, stats, first_line, limit=None)
+        chunk, chunk_stats, render_bad = self(path, first_line, items)
+        for key, value in chunk_stats.items():
+            stats[key] = stats.get(key, 0) + value
+        return chunk, stats, min(filter(None, (read_bad, render_bad)), default=None)
+
     def __call__(self, path: str, first: int, items: list[tuple[str, Record]]) -> tuple[Chunk, dict, tuple | None]:
         """(the chunk's samples, its stats, (ordinal, message) of its first skipped record or None);
         `first` is the ordinal of the chunk's first record in its source."""
@@ -130,6 +148,42 @@ def _run_in_worker(path: str, first: int, items: list) -> tuple[Chunk, dict, tup
     return _WORKER(path, first, items)
 
 
+def _read_lines_in_worker(path: str, start: int, end: int, first_line: int) -> tuple[Chunk, dict, tuple | None]:
+    return _WORKER.read_lines(path, start, end, first_line)
+
+
+def take_records(records, stats: dict, ordinal: int, limit: int | None) -> tuple[list, tuple | None]:
+    """(up to `limit` (location, record) items, (ordinal key, message) of the first bad row read
+    among them or None); a bad row just before the item at ordinal k gets the key k - 0.5, so it
+    sorts between the records around it. Pops stats' first_bad_line."""
+    items, first_bad = [], None
+    for location, record in itertools.islice(records, limit):
+        if "first_bad_line" in stats and first_bad is None:
+            first_bad = (ordinal + len(items) - 0.5, stats["first_bad_line"])
+        items.append((location, record))
+    if "first_bad_line" in stats and first_bad is None:
+        first_bad = (ordinal + len(items) - 0.5, stats["first_bad_line"])
+    stats.pop("first_bad_line", None)
+    return items, first_bad
+
+
+def line_ranges(path: Path, lines_per_range: int) -> Iterator[tuple[int, int, int, int]]:
+    """(start byte, end byte, first line number, lines) of consecutive stretches of a file, each
+    lines_per_range lines (the last may be shorter), cut at line ends."""
+    if not path.stat().st_size:   # mmap refuses an empty file
+        return
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        start, line, size = 0, 1, len(data)
+        while start < size:
+            end, count = start, 0
+            while count < lines_per_range and end < size:
+                newline = data.find(b"\n", end)
+                end = size if newline < 0 else newline + 1
+                count += 1
+            yield start, end, line, count
+            start, line = end, line + count
+
+
 def default_num_proc() -> int:
     """This node's cores available to this process."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -175,64 +229,74 @@ def tokenize_source(path: Path, tokenizer, settings: dict, *, num_proc: int = 1,
                     ) -> tuple[Iterator[Chunk], Callable[[], dict]]:
     """(the source's chunks of samples in record order, a function giving its stats once the chunks
     are exhausted). num_proc > 1 spreads a large source over that many processes."""
-    stats, read_first_bad = new_stats(), [None]
+    stats = new_stats()
     large = _source_size(path) >= PARALLEL_MIN_BYTES
     workers = max(1, num_proc) if large else 1
-    bar = _Progress(path, _count_records(path) if large else None, progress, show=large)
-    bad_results: list[tuple[int, str]] = []
+    by_lines = workers > 1 and path.suffix.lower() == ".jsonl"
+    ranges = list(line_ranges(path, CHUNK_RECORDS)) if by_lines else None
+    total = sum(count for *_, count in ranges) if by_lines else (_count_records(path) if large else None)
+    bar = _Progress(path, total, progress, show=large)
+    first_bads: list[tuple[float, str]] = []
 
     def read_chunks() -> Iterator[tuple[int, list]]:
-        rows = read_records(path, on_bad_line=settings["on_bad_line"], stats=stats)
+        records = read_records(path, on_bad_line=settings["on_bad_line"], stats=stats)
         ordinal = 0
         while True:
-            items = []
-            for location, record in itertools.islice(rows, CHUNK_RECORDS):
-                if "first_bad_line" in stats and read_first_bad[0] is None:  # a read-stage bad row just before
-                    read_first_bad[0] = (ordinal + len(items) - 0.5, stats["first_bad_line"])
-                items.append((location, record))
-            if "first_bad_line" in stats and read_first_bad[0] is None:
-                read_first_bad[0] = (ordinal + len(items) - 0.5, stats["first_bad_line"])
+            items, read_bad = take_records(records, stats, ordinal, CHUNK_RECORDS)
+            if read_bad is not None:
+                first_bads.append(read_bad)
             if not items:
                 return
             yield ordinal, items
             ordinal += len(items)
 
-    def merge(result: tuple[Chunk, dict, tuple | None], records: int) -> Chunk:
-        chunk, chunk_stats, first_bad = result
+    def merge(chunk: Chunk, chunk_stats: dict, first_bad: tuple | None, records: int) -> Chunk:
         for key, value in chunk_stats.items():
             stats[key] = stats.get(key, 0) + value
         if first_bad is not None:
-            bad_results.append(first_bad)
+            first_bads.append(first_bad)
         bar.advance(records)
         return chunk
+
+    def in_order(pool, tasks) -> Iterator[tuple]:
+        """The results of fn(*args) for each (fn, args, records) task, in task order, with at most
+        IN_FLIGHT_PER_WORKER tasks queued per worker."""
+        pending: deque = deque()
+        for fn, args, records in tasks:
+            pending.append((pool.submit(fn, *args), records))
+            while len(pending) >= workers * IN_FLIGHT_PER_WORKER:
+                future, count = pending.popleft()
+                yield future.result(), count
+        while pending:
+            future, count = pending.popleft()
+            yield future.result(), count
 
     def chunks() -> Iterator[Chunk]:
         try:
             if workers == 1:
                 work = ChunkTokenizer(tokenizer, settings)
                 for first, items in read_chunks():
-                    yield merge(work(str(path), first, items), len(items))
+                    yield merge(*work(str(path), first, items), len(items))
                 return
             context = multiprocessing.get_context("spawn")
             with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
                                      initargs=(tokenizer, settings)) as pool:
-                pending: deque = deque()
-                for first, items in read_chunks():
-                    pending.append((pool.submit(_run_in_worker, str(path), first, items), len(items)))
-                    while len(pending) >= workers * IN_FLIGHT_PER_WORKER:
-                        future, count = pending.popleft()
-                        yield merge(future.result(), count)
-                while pending:
-                    future, count = pending.popleft()
-                    yield merge(future.result(), count)
+                if by_lines:
+                    tasks = ((_read_lines_in_worker, (str(path), start, end, line), lines)
+                             for start, end, line, lines in ranges)
+                    for (chunk, chunk_stats, first_bad), lines in in_order(pool, tasks):
+                        yield merge(chunk, chunk_stats, first_bad, lines)  # the bar counts lines here
+                else:
+                    tasks = ((_run_in_worker, (str(path), first, items), len(items))
+                             for first, items in read_chunks())
+                    for result, records in in_order(pool, tasks):
+                        yield merge(*result, records)
         finally:
             bar.close()
 
     def final_stats() -> dict:
-        candidates = bad_results[:1] + ([read_first_bad[0]] if read_first_bad[0] else [])
-        stats.pop("first_bad_line", None)
-        if candidates:
-            stats["first_bad_line"] = min(candidates)[1]
+        if first_bads:
+            stats["first_bad_line"] = min(first_bads)[1]
         return dict(stats)
 
     return chunks(), final_stats

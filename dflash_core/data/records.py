@@ -276,6 +276,14 @@ def _arrow_rows(path: Path) -> Iterator[tuple[str, Callable[[], object]]]:
         yield f"{prefix}row {index}", lambda row=row: row
 
 
+def jsonl_rows(lines, first_line_no: int = 1) -> Iterator[tuple[str, Callable[[], object]]]:
+    """(location, parse) per non-blank line of a .jsonl file (or of a stretch of it starting at line
+    first_line_no), each line as bytes."""
+    for line_no, raw in enumerate(lines, start=first_line_no):
+        if raw.strip():
+            yield f"line {line_no}", lambda raw=raw, line_no=line_no: _parse_jsonl_line(raw, line_no)
+
+
 def _raw_rows(path: Path) -> Iterator[tuple[str, Callable[[], object]]]:
     """Yield (location, parse) per row. Parsing is deferred so that an unparsable row goes
     through the same skip-or-fail path as a well-formed but invalid record."""
@@ -284,9 +292,7 @@ def _raw_rows(path: Path) -> Iterator[tuple[str, Callable[[], object]]]:
         yield from _arrow_rows(path)
     elif suffix == ".jsonl":
         with open(path, "rb") as f:  # bytes: one undecodable line is one bad line, not a dead file
-            for line_no, raw in enumerate(f, start=1):
-                if raw.strip():
-                    yield f"line {line_no}", lambda raw=raw, line_no=line_no: _parse_jsonl_line(raw, line_no)
+            yield from jsonl_rows(f)
     elif suffix == ".json":
         yield from _json_list_rows(path)
     else:
@@ -316,8 +322,13 @@ def read_records(path, *, on_bad_line: str = "fail", stats: dict | None = None) 
     path = Path(path)
     if not (path.is_file() or is_datasets_dir(path)):
         raise DataError(f"dataset file not found: {path}")
-    stats = stats if stats is not None else {}
-    for location, parse in _raw_rows(path):
+    return records_from_rows(path, _raw_rows(path), on_bad_line=on_bad_line,
+                             stats=stats if stats is not None else {})
+
+
+def records_from_rows(path, rows, *, on_bad_line: str, stats: dict) -> Iterator[tuple[str, Record]]:
+    """read_records' (location, record) from (location, parse) rows of the source at `path`."""
+    for location, parse in rows:
         stats["read"] = stats.get("read", 0) + 1
         try:
             record = normalise_record(parse())
