@@ -7,7 +7,7 @@ import torch
 from dflash_core.data import load_samples, read_records
 from dflash_core.data.prompts import prompt_messages
 from dflash_core.target.tiny import BUNDLED_DATASET
-from launcher.regenerate import merge_parts, read_part
+from launcher.regeneration.parts import merge_parts, read_part
 from tests.launching import torchrun
 
 NUM_PROMPTS, MAX_NEW_TOKENS = 16, 24
