@@ -2,7 +2,10 @@
 
 Rank r answers prompts r, r+W, r+2W, ... in left-padded batches and appends its answers to its
 own part file; after a barrier rank 0 merges the parts in input order into the output. Prompts
-render like training data (dflash_core.data.prompts); only the last turn is answered.
+render like training data (dflash_core.data.prompts). As with the serving engines, every
+assistant turn of a conversation is regenerated in order, each conditioned on the turns
+regenerated before it: a batch is answered in rounds, round k answering the k-th assistant turn
+of the batch's conversations that have one.
 """
 from __future__ import annotations
 
@@ -76,6 +79,36 @@ def answer(model, tokenizer, prompts: list[Prompt], gen_config, stop_ids: list[i
     return results
 
 
+def regenerate_batch(model, tokenizer, batch: list[Prompt], gen_config, stop_ids: list[int], pad_id: int,
+                     chat_template_kwargs: dict) -> list[tuple[list[dict] | None, int, int]]:
+    """Per prompt: (its conversation with every assistant turn regenerated, or None when one came
+    back empty; tokens generated; turns cut at max_new_tokens)."""
+    from dflash_core.data.prompts import encode_prompts
+    remaining = [[*prompt.messages, None] for prompt in batch]   # None: the answer after the last turn
+    histories: list[list[dict]] = [[] for _ in batch]
+    results: list = [None] * len(batch)
+    tokens, unfinished = [0] * len(batch), [0] * len(batch)
+    asking = list(range(len(batch)))
+    while asking:
+        for k in asking:   # the turns up to the next assistant turn join the history; that turn is asked
+            while remaining[k][0] is not None and remaining[k][0]["role"] != "assistant":
+                histories[k].append(remaining[k].pop(0))
+            remaining[k].pop(0)
+        prompts = encode_prompts(tokenizer, [Prompt(batch[k].index, batch[k].id, batch[k].location, histories[k],
+                                                    batch[k].tools) for k in asking],
+                                 max_tokens=1 << 62, chat_template_kwargs=chat_template_kwargs)
+        for k, (text, ids, finished) in zip(asking, answer(model, tokenizer, prompts, gen_config, stop_ids, pad_id)):
+            tokens[k] += len(ids)
+            unfinished[k] += not finished
+            histories[k].append({"role": "assistant", "content": text, "token_ids": ids})
+            if not text:
+                remaining[k] = []
+            elif not remaining[k]:
+                results[k] = histories[k]
+        asking = [k for k in asking if remaining[k]]
+    return list(zip(results, tokens, unfinished))
+
+
 def run_hf(cfg: DictConfig, rank: int, world: int) -> int:
     import torch
     import torch.distributed as dist
@@ -120,21 +153,20 @@ def run_hf(cfg: DictConfig, rank: int, world: int) -> int:
     # Longest first: batches of similar lengths pad little, and running out of memory shows up
     # in the first batch rather than hours in.
     mine.sort(key=lambda p: -len(p.token_ids))
-    counts = {"answered": 0, "unfinished": 0, "empty": 0, **dropped, "resumed": len(done), "new_tokens": 0}
+    counts = {"answered": 0, "unfinished_turns": 0, "empty": 0, **dropped, "resumed": len(done), "new_tokens": 0}
     started = time.perf_counter()
     with PartWriter(part) as writer:
         for batch_no, start in enumerate(range(0, len(mine), r.batch_size)):
             batch = mine[start:start + r.batch_size]
-            for prompt, (text, ids, finished) in zip(batch, answer(model, tokenizer, batch, gen_config, stop_ids,
-                                                                   pad_id)):
-                counts["unfinished"] += not finished
-                if not text:
+            answers = regenerate_batch(model, tokenizer, batch, gen_config, stop_ids, pad_id, template_kwargs(cfg))
+            for prompt, (conversation, tokens, unfinished) in zip(batch, answers):
+                counts["unfinished_turns"] += unfinished
+                counts["new_tokens"] += tokens
+                if conversation is None:
                     counts["empty"] += 1
                     continue
                 counts["answered"] += 1
-                counts["new_tokens"] += len(ids)
-                turn = {"role": "assistant", "content": text, "token_ids": ids}
-                writer.write(prompt.index, output_record(prompt, prompt.messages + [turn]), sync=False)
+                writer.write(prompt.index, output_record(prompt, conversation), sync=False)
             writer.sync()  # a crash loses at most the batch in flight
             if rank == 0 and (batch_no + 1) % r.log_every == 0:
                 log.info("rank 0: %d/%d prompts answered, %.1f tokens/s", start + len(batch), len(mine),
