@@ -57,8 +57,9 @@ class FakeChatServer:
     """An OpenAI-compatible server on a free loopback port. `fail_first`: that many chat requests
     get HTTP 503 first; `close_after`: after that many answers the port closes (a server that died)."""
 
-    def __init__(self, *, fail_first: int = 0, close_after: int | None = None):
+    def __init__(self, *, fail_first: int = 0, close_after: int | None = None, refuse: str | None = None):
         self.requests: list[dict] = []
+        self.refuse = refuse   # a last message of this content gets HTTP 400 (as a prompt over the context does)
         self.fail_first, self.close_after, self.answered, self.closing = fail_first, close_after, 0, False
         fake = self
 
@@ -91,6 +92,8 @@ class FakeChatServer:
                     self.close_connection = True
                 elif failing:
                     self._send(503, {"error": "overloaded"})
+                elif body["messages"][-1]["content"] == fake.refuse:
+                    self._send(400, {"error": "This model's maximum context length is 1024 tokens"})
                 else:
                     self._send(200, reply(body))
 
@@ -166,6 +169,16 @@ def test_a_failing_server_is_retried_then_counts_as_down(tmp_path, chats, tiny_t
     with pytest.raises(RegenerationIncomplete, match=r"1 of 1 prompts are left unanswered \(ids 'multi'\).*HTTP 503"):
         _run(tiny_target_dir, chats, tmp_path / "again.jsonl", failing.url, concurrency=1, limit=1, max_retries=1)
     assert len(failing.requests) == 2
+
+
+def test_a_prompt_the_server_refuses_is_skipped_naming_it(tmp_path, chats, tiny_target_dir, capfd):
+    server = FakeChatServer(refuse="question 3")
+    output = tmp_path / "out.jsonl"
+    assert _run(tiny_target_dir, chats, output, server.url) == 0
+    assert "plain-3" not in [r["id"] for r in _records(output)] and len(_records(output)) == len(CHATS) - 1
+    assert sum(r["messages"][-1]["content"] == "question 3" for r in server.requests) == 1   # not retried
+    err = capfd.readouterr().err
+    assert "(id 'plain-3'): refused, not answered" in err and "maximum context length is 1024" in err
 
 
 def test_an_unreachable_endpoint_is_named_before_any_work(tmp_path, chats, tiny_target_dir):

@@ -17,6 +17,7 @@ that the same command resumes (parts.py).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import queue
@@ -58,7 +59,6 @@ class RegenerationIncomplete(ConnectionError):
 # ----------------------------------------------------------------------------- one conversation
 def _openai_message(message: dict) -> dict:
     """A record's message as a chat request carries it: tool-call arguments as JSON text, no token ids."""
-    import json
     sent = {key: value for key, value in message.items() if key != "token_ids"}
     if message.get("tool_calls"):
         sent["tool_calls"] = [{"id": call.get("id", f"call_{k}"), "type": "function",
@@ -69,7 +69,6 @@ def _openai_message(message: dict) -> dict:
 
 
 def _record_tool_call(call: dict) -> dict:
-    import json
     arguments = call["function"].get("arguments") or "{}"
     with contextlib.suppress(ValueError):   # not JSON: kept as text, refused by name when it is trained on
         arguments = json.loads(arguments)
@@ -315,11 +314,13 @@ def run_served(cfg: DictConfig) -> int:
         raise every_prompt_skipped(cfg, stats, [dropped])
     if done:
         log.info("resuming: %d prompts answered before, %d left", len(done), len(todo))
+    outcome = Outcome()
     with contextlib.ExitStack() as stack:
-        if urls is None:
+        if urls is None and todo:
             urls = stack.enter_context(started_servers(cfg, target))
-        writer = stack.enter_context(PartWriter(part))
-        outcome = answer_all(connected(urls, cfg), todo, requests, writer, r.concurrency)
+        if todo:
+            writer = stack.enter_context(PartWriter(part))
+            outcome = answer_all(connected(urls, cfg), todo, requests, writer, r.concurrency)
     if outcome.down and len(outcome.answered | outcome.empty | set(outcome.refused)) < len(todo):
         raise incomplete(outcome, todo, len(done), parts)
     written = merge_parts(parts, 1, len(prompts), output)
@@ -328,5 +329,6 @@ def run_served(cfg: DictConfig) -> int:
               "unfinished_turns": outcome.unfinished_turns, **dropped, "resumed": len(done),
               "new_tokens": outcome.tokens}
     log.info("wrote %d records to %s (input %s; this run %s; answered in %.1fs, %.1f new tokens/s over %d servers)",
-             written, output, stats, counts, outcome.seconds, outcome.tokens / max(outcome.seconds, 1e-9), len(urls))
+             written, output, stats, counts, outcome.seconds, outcome.tokens / max(outcome.seconds, 1e-9),
+             len(urls or ()))
     return 0
