@@ -4,7 +4,7 @@
 
 The model is the target's full shape with random weights (no checkpoint is read; speed does not
 depend on weight values, and random weights never emit a stop token, so every row decodes exactly
-`--new-tokens`). Each row runs `launcher.regenerate.generate` (one left-padded HF `generate` call, as
+`--new-tokens`). Each row runs `launcher.regeneration.hf.generate` (one left-padded HF `generate` call, as
 regeneration makes it) on `batch` prompts of `--prompt-tokens` tokens, greedy, and reports new tokens
 per second, the time of one decode step (after the prefill, timed apart) and the step's floor: every
 weight and the batch's KV cache read once per step at the HBM bandwidth. A row faster than its floor
@@ -20,7 +20,7 @@ import torch
 from dflash_core.data.prompts import Prompt
 from dflash_core.target.shapes import SHAPES, config_from_shape
 from launcher.bench.ceiling import H200_HBM_TB_PER_S
-from launcher.regenerate import generate
+from launcher.regeneration.hf import generate
 
 
 def build_model(shape: str, device: torch.device):

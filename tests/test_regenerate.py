@@ -7,7 +7,7 @@ import torch
 from dflash_core.data import load_samples, read_records
 from dflash_core.data.prompts import prompt_messages
 from dflash_core.target.tiny import BUNDLED_DATASET
-from launcher.regenerate import merge_parts, read_part
+from launcher.regeneration.parts import merge_parts, read_part
 from tests.launching import torchrun
 
 NUM_PROMPTS, MAX_NEW_TOKENS = 16, 24
@@ -64,8 +64,9 @@ def test_two_ranks_greedy_matches_hf_generate_and_output_trains(tmp_path, tiny_t
     assert [r["id"] for r in records] == [record_id for record_id, _ in expected]  # input order, across ranks
     for record, (_, prompt) in zip(records, expected):
         *turns, answer = record["conversations"]
-        assert turns == prompt
-        assert answer["role"] == "assistant" and answer["content"].strip()
+        assert [t["role"] for t in turns] == [t["role"] for t in prompt]
+        assert [t for t in turns if t["role"] != "assistant"] == [t for t in prompt if t["role"] != "assistant"]
+        assert answer["role"] == "assistant" and answer["content"].strip() and answer["token_ids"]
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
     samples, stats = load_samples([output], tokenizer, max_length=256)
@@ -90,3 +91,48 @@ def test_two_ranks_greedy_matches_hf_generate_and_output_trains(tmp_path, tiny_t
                     f"data.cache_dir={tmp_path / 'tok'}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (run_dir / "summary.json").is_file()
+
+
+# ----------------------------------------------------------------------------- generated token ids
+def _supervised(tmp_path, tokenizer, turn: dict, name: str) -> tuple[list[int], dict]:
+    data = tmp_path / f"{name}.jsonl"
+    data.write_text(json.dumps({"conversations": [{"role": "user", "content": "How many hours are in 8 days?"},
+                                                  turn]}) + "\n")
+    samples, stats = load_samples([data], tokenizer, max_length=256)
+    sample = samples[0]
+    return [t for t, m in zip(sample["input_ids"].tolist(), sample["loss_mask"].tolist()) if m], stats
+
+
+def test_an_answer_that_retokenises_otherwise_trains_on_the_ids_the_target_generated(tmp_path, tiny_target_dir):
+    """Issue 27 item B: the target generated the answer one character per token; its text
+    re-tokenises into merged tokens, which the target never produced. The drafter must learn the
+    generated ids; a record without ids (or with ids that are not the answer) trains on the text."""
+    from dflash_core.data import load_tokenizer
+    tokenizer = load_tokenizer(tiny_target_dir)
+    answer = "There are 192 hours in 8 days."
+    text_ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
+    generated = [i for char in answer for i in tokenizer(char, add_special_tokens=False)["input_ids"]]
+    assert tokenizer.decode(generated) == answer and generated != text_ids   # the premise
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    supervised, stats = _supervised(tmp_path, tokenizer, {"role": "assistant", "content": answer,
+                                                          "token_ids": generated}, "generated")
+    assert supervised == generated + [end]
+    assert stats["generated_id_turns"] == 1 and stats["supervised_tokens"] == len(generated) + 1
+
+    with_stop = {"role": "assistant", "content": answer, "token_ids": generated + [end]}   # the stop token kept too
+    assert _supervised(tmp_path, tokenizer, with_stop, "with_stop")[0] == generated + [end]
+    old, _ = _supervised(tmp_path, tokenizer, {"role": "assistant", "content": answer}, "text_only")
+    assert old == text_ids + [end]
+    other, stats = _supervised(tmp_path, tokenizer, {"role": "assistant", "content": answer,
+                                                     "token_ids": generated[:-1]}, "not_the_answer")
+    assert other == text_ids + [end] and stats["generated_ids_unused"] == 1
+
+
+def test_token_ids_must_be_integers_on_an_assistant_turn():
+    from dflash_core.data.records import BadRecord, normalise_record
+    for turns in ([{"role": "user", "content": "a", "token_ids": [1]}],
+                  [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "token_ids": ["x"]}],
+                  [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "token_ids": [-1]}]):
+        with pytest.raises(BadRecord, match="token_ids must be a list of non-negative integers"):
+            normalise_record({"conversations": turns})

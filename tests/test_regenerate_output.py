@@ -12,7 +12,7 @@ import pytest
 
 from dflash_core.target.tiny import BUNDLED_DATASET
 from launcher.config import ConfigError, compose_config
-from launcher.regenerate import check_output
+from launcher.regeneration.parts import check_output
 
 REPO = Path(__file__).resolve().parent.parent
 

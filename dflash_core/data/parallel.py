@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from .records import BAD_LINE_REASONS, Record, count_bad_line, jsonl_rows, read_records, records_from_rows
-from .render import ChatRenderer
+from .render import ChatRenderer, generated_ids, splice_generated_ids
 from .store import Chunk, sample_hash
 
 CHUNK_RECORDS = 256          # records per task: large enough to amortise pickling, small for an even spread
@@ -72,13 +72,17 @@ class ChunkTokenizer:
         self.tokenizer, self.settings, self._renderer = tokenizer, settings, None
         self._encoder = _plain_encoder(tokenizer)
 
-    def _render(self, record: Record) -> tuple[str, list[tuple[int, int]] | None]:
-        """(text, supervised spans or None for preformatted text)."""
+    def _decode(self, ids: list[int]) -> str:
+        return self._encoder.decode(ids, skip_special_tokens=False)
+
+    def _render(self, record: Record) -> tuple[str, list[tuple[int, int]] | None, list | None]:
+        """(text, supervised spans or None for preformatted text, the spans' generated ids)."""
         if record.text is not None:
-            return record.text, None
+            return record.text, None, None
         if self._renderer is None:  # the template is checked only when a conversation needs it
             self._renderer = ChatRenderer(self.tokenizer, self.settings["chat_template_kwargs"])
-        return self._renderer.conversation(record, self.settings["last_turn_only"])
+        last_turn_only = self.settings["last_turn_only"]
+        return (*self._renderer.conversation(record, last_turn_only), generated_ids(record, last_turn_only))
 
     def read_lines(self, path: str, start: int, end: int, first_line: int) -> tuple[Chunk, dict, tuple | None]:
         """`__call__` on the records of bytes [start, end) of a .jsonl file, which start at line
@@ -111,11 +115,16 @@ class ChunkTokenizer:
         ids_out, mask_out, lengths, hashes = [], [], [], []
         for start in range(0, len(rendered), TOKENIZE_BATCH):
             batch = rendered[start:start + TOKENIZE_BATCH]
-            for (_, spans), encoding in zip(batch, self._encoder.encode_batch([text for text, _ in batch],
-                                                                              add_special_tokens=False)):
+            for (text, spans, generated), encoding in zip(batch, self._encoder.encode_batch(
+                    [text for text, _, _ in batch], add_special_tokens=False)):
                 ids, offsets = np.asarray(encoding.ids, np.int32), encoding.offsets
-                mask = loss_mask(np.fromiter(itertools.chain.from_iterable(offsets), np.int64, 2 * len(offsets))
-                                 .reshape(-1, 2), spans)
+                offsets = np.fromiter(itertools.chain.from_iterable(offsets), np.int64, 2 * len(offsets)).reshape(-1, 2)
+                mask = loss_mask(offsets, spans)
+                if generated and any(generated):
+                    ids, mask, spliced, disagreeing = splice_generated_ids(text, spans, generated, ids, mask, offsets,
+                                                                           self._decode)
+                    stats["generated_id_turns"] = stats.get("generated_id_turns", 0) + spliced
+                    stats["generated_ids_unused"] = stats.get("generated_ids_unused", 0) + disagreeing
                 if len(ids) > max_length:
                     ids, mask = ids[:max_length], mask[:max_length]
                     stats["truncated"] = stats.get("truncated", 0) + 1

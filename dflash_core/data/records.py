@@ -13,7 +13,9 @@ Records are conversations (`{"conversations"|"messages": [...], "tools": [...]}`
 whose value holds the call(s). An assistant turn may carry `reasoning_content` (also read from
 `reasoning` or `thinking`) and `tool_calls` (`{"function": {"name", "arguments"}}` or flat
 `{"name", "arguments"}`; arguments an object or a JSON string of one: they are stored as an
-object, as chat templates expect); a tool turn may carry `name` and `tool_call_id`. `tools` (a
+object, as chat templates expect) and `token_ids`, the ids the target generated for the turn
+(launcher.regenerate writes them; render.py trains on them where they agree with the template);
+a tool turn may carry `name` and `tool_call_id`. `tools` (a
 list of function schemas, or a JSON string of one) goes to the chat template with the record.
 Keys that are null are absent: Arrow sources (parquet, `datasets`) fill missing struct fields
 with null. Arrow also gives every struct of a column the same keys, so store tool schemas and
@@ -161,6 +163,12 @@ def _normalise_message(turn) -> dict:
         if not isinstance(tool_calls, list):
             raise BadRecord(f"tool_calls must be a list, got {type(tool_calls).__name__}")
         message["tool_calls"] = [_normalise_tool_call(call) for call in tool_calls]
+    token_ids = turn.get("token_ids")
+    if token_ids is not None:
+        if role != "assistant" or not isinstance(token_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in token_ids):
+            raise BadRecord("token_ids must be a list of non-negative integers, on an assistant turn")
+        message["token_ids"] = token_ids
     for key in ("name", "tool_call_id"):
         if turn.get(key) is not None:
             if not isinstance(turn[key], str):

@@ -34,6 +34,13 @@ header (think block, content, tool-call wrapper, end-of-turn token) is supervise
 another message. Tool-call names are not replaced: some templates repeat them in the tool output
 that follows (gpt-oss), which would stretch the turn into that message.
 
+An assistant turn that carries `token_ids` (the ids the target generated for it, written by
+launcher.regenerate) is trained on those ids instead of its text's re-tokenisation, which can
+differ (a word split otherwise than the target chose), where they agree with the template: the
+turn's tokens begin exactly at the span's start, the span ends with one special token, and the
+ids decode to exactly the text the template rendered before it (splice_generated_ids). Otherwise
+(e.g. a template that drops an earlier turn's reasoning) the rendered text is tokenised as usual.
+
 A template that cannot render the conversation, leaves a turn out, or gives no header before or
 no special token after a turn raises ValueError naming the turn; the caller reports it as a bad
 line. Reasoning is passed as `reasoning_content` and as `thinking` (gpt-oss templates read
@@ -43,7 +50,10 @@ that); a template with no place for reasoning (Llama 3) drops it: put it in the 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from itertools import islice
+
+import numpy as np
 
 from .records import DataError, Record
 
@@ -57,8 +67,41 @@ def tokenizer_name(tokenizer) -> str:
 
 
 def template_messages(messages) -> list[dict]:
-    """Messages as chat templates read them: reasoning under both names templates use."""
-    return [{**m, "thinking": m["reasoning_content"]} if "reasoning_content" in m else dict(m) for m in messages]
+    """Messages as chat templates read them: reasoning under both names templates use, no token ids."""
+    bare = [{key: value for key, value in m.items() if key != "token_ids"} for m in messages]
+    return [{**m, "thinking": m["reasoning_content"]} if "reasoning_content" in m else m for m in bare]
+
+
+def generated_ids(record: Record, last_turn_only: bool = False) -> list[list[int] | None]:
+    """The `token_ids` of each assistant turn (None where it has none), as conversation() gives spans."""
+    turns = [m.get("token_ids") for m in record.messages if m["role"] == "assistant"]
+    return turns[-1:] if last_turn_only else turns
+
+
+def splice_generated_ids(text: str, spans: list[tuple[int, int]], generated: list[list[int] | None],
+                         ids: np.ndarray, mask: np.ndarray, offsets: np.ndarray,
+                         decode: Callable[[list[int]], str]) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """The tokenised conversation with each assistant span's tokens before its end-of-turn token
+    replaced by the turn's generated ids, where they agree with the template (module docstring).
+
+    ids, mask: the rendering's tokens and loss mask; offsets: int64 [T, 2] their character spans;
+    decode: ids -> text, special tokens kept. Returns (ids, mask, turns spliced, turns whose ids
+    disagree and were left to the text)."""
+    spliced = disagreeing = 0
+    for (start, end), new in reversed(list(zip(spans, generated))):   # from the last: earlier indices hold
+        if not new:
+            continue
+        inside = np.flatnonzero((offsets[:, 1] > start) & (offsets[:, 0] < end))
+        first, last = (int(inside[0]), int(inside[-1])) if len(inside) else (0, -1)
+        new = list(new[:-1] if last >= 0 and new[-1] == ids[last] else new)   # the stop token kept with the ids
+        if last < 0 or offsets[first, 0] != start or offsets[last, 1] != end or \
+                decode(new) != text[start:offsets[last, 0]]:
+            disagreeing += 1
+            continue
+        ids = np.concatenate([ids[:first], np.asarray(new, ids.dtype), ids[last:]])
+        mask = np.concatenate([mask[:first], np.ones(len(new), mask.dtype), mask[last:]])
+        spliced += 1
+    return ids, mask, spliced, disagreeing
 
 
 def _sentinel_text(text: str, sentinel: str) -> str:

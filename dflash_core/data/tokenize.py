@@ -21,7 +21,7 @@ from .render import tokenizer_name
 from .store import Samples, StoreError, TokenStore, open_store, write_store
 
 # Bump when the tokenisation rules change, so stale caches are never reused.
-CACHE_FORMAT = "dflash-data-v3"
+CACHE_FORMAT = "dflash-data-v4"   # v4: assistant turns train on their generated token_ids
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 

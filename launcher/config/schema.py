@@ -240,7 +240,26 @@ class RegenerateSettings:
     device: str = knob("auto", "auto (cuda when available) | cpu | cuda", choices=DEVICES)
     # At least 5 s, as run.timeout_s: gloo's connection set-up shares this timeout.
     timeout_s: float = knob(7200.0, "process-group timeout: ranks wait this long for the slowest one", ge=5)
-    log_every: int = knob(10, "progress line every N batches (rank 0)", ge=1)
+    log_every: int = knob(10, "engine=hf: progress line every N batches (rank 0)", ge=1)
+    engine: str = knob("hf", "hf: HF generate in this process (torchrun: one replica per rank) | vllm: vLLM servers "
+                       "started here (make vllm-env; one per GPU, one on CPU) | openai: the servers of "
+                       "regenerate.endpoints", choices=("hf", "vllm", "openai"))
+    endpoints: list = knob([], "engine=openai: base URLs of running OpenAI-compatible servers of the target (vLLM, "
+                           "SGLang), e.g. [http://10.0.0.5:8000]; the prompts are spread over them",
+                           each={"nonempty": True})
+    concurrency: int = knob(32, "engine=vllm|openai: conversations in flight per server", ge=1)
+    max_retries: int = knob(5, "engine=vllm|openai: retries of a request a server failed (no answer, HTTP 5xx or "
+                            "429), with doubling waits; then the server counts as down", ge=0)
+    retry_backoff_s: float = knob(1.0, "engine=vllm|openai: the first wait before a retry (doubled each time)", gt=0)
+    request_timeout_s: float = knob(1800.0, "engine=vllm|openai: how long one turn's request may take", gt=0)
+    vllm_python: str = knob("auto", "engine=vllm: the python of the environment vLLM is installed in; "
+                            "auto: .venv-vllm/bin/python (make vllm-env)")
+    vllm_memory_fraction: float = knob(0.15, "engine=vllm: --gpu-memory-utilization (on CPU: the share of the NUMA "
+                                       "node's memory reserved for the KV cache)", gt=0, le=1)
+    vllm_args: list = knob([], "engine=vllm: more `vllm serve` flags, e.g. [--tensor-parallel-size, '2'] (then one "
+                           "server per 2 GPUs) or [--enforce-eager]")
+    vllm_startup_timeout_s: float = knob(900.0, "engine=vllm: how long a started server may take to answer /health",
+                                         gt=0)
 
 
 @dataclass

