@@ -9,7 +9,8 @@ RUN_DIR := $(RUN_DIR)
 # rate fit for a 2-layer drafter to show a clear fall in loss, then measured in real speculative
 # decoding on chats it never trained on (the last EVAL_CHATS answered ones).
 TINY_TARGET := .cache/tiny-qwen3
-OWN_CHATS := .cache/tiny-qwen3-own-answers
+# The name changes with what the records hold (v2: the generated token ids), so an old cache is rebuilt.
+OWN_CHATS := .cache/tiny-qwen3-own-answers-v2
 EVAL_CHATS := 16
 EMBEDDED ?= data.paths=[$(OWN_CHATS)/train.jsonl] train.steps=600 train.eval_every=200 optim.lr=2e-3 $(GPU_SHAPE)
 EVALUATE := evaluate.drafter=$(RUN_DIR)/export evaluate.data=$(OWN_CHATS)/eval.jsonl evaluate.num_prompts=$(EVAL_CHATS)
