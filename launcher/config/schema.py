@@ -189,7 +189,20 @@ class FaultSettings:
 
 
 @dataclass
-class EvaluateSettings:
+class VllmServerSettings:
+    """How a command starts its own `vllm serve` (evaluate and regenerate with engine=vllm)."""
+    vllm_python: str = knob("auto", "engine=vllm: the python of the environment vLLM is installed in; "
+                            "auto: .venv-vllm/bin/python (make vllm-env)")
+    vllm_memory_fraction: float = knob(0.15, "engine=vllm: --gpu-memory-utilization (on CPU: the share of the NUMA "
+                                       "node's memory reserved for the KV cache)", gt=0, le=1)
+    vllm_args: list = knob([], "engine=vllm: more `vllm serve` flags for the servers started here, e.g. "
+                           "[--enforce-eager], or [--tensor-parallel-size, '2'] (regenerate: one server per 2 GPUs)")
+    vllm_startup_timeout_s: float = knob(900.0, "engine=vllm: how long a started server may take to answer /health",
+                                         gt=0)
+
+
+@dataclass
+class EvaluateSettings(VllmServerSettings):
     drafter: Optional[str] = knob(None, "an exported drafter dir (runs/<name>/export) or a checkpoint dir",
                                   nonempty=True)
     data: Any = knob("bundled:tiny_chat", "chats to take prompts from (a path or a list of paths)")
@@ -209,18 +222,10 @@ class EvaluateSettings:
                                    "drafter (its --speculative-config); null: one is started here")
     plain_endpoint: Optional[str] = knob(None, "engine=vllm with endpoint and check_lossless: URL of a server of the "
                                          "same target without speculation")
-    vllm_python: str = knob("auto", "engine=vllm: the python of the environment vLLM is installed in; "
-                            "auto: .venv-vllm/bin/python (make vllm-env)")
-    vllm_memory_fraction: float = knob(0.15, "engine=vllm: --gpu-memory-utilization (on CPU: the share of the NUMA "
-                                       "node's memory reserved for the KV cache)", gt=0, le=1)
-    vllm_args: list = knob([], "engine=vllm: more `vllm serve` flags for the servers started here, e.g. "
-                           "[--enforce-eager, --kv-cache-memory-bytes, '1073741824']")
-    vllm_startup_timeout_s: float = knob(900.0, "engine=vllm: how long a started server may take to answer /health",
-                                         gt=0)
 
 
 @dataclass
-class RegenerateSettings:
+class RegenerateSettings(VllmServerSettings):
     input: str = knob("bundled:tiny_chat", "chats whose prompts are answered (ShareGPT accepted)", nonempty=True)
     output: str = required("the regenerated .jsonl (written atomically by rank 0)")
     overwrite: bool = knob(False, "replace an existing output file")
@@ -252,14 +257,6 @@ class RegenerateSettings:
                             "429), with doubling waits; then the server counts as down", ge=0)
     retry_backoff_s: float = knob(1.0, "engine=vllm|openai: the first wait before a retry (doubled each time)", gt=0)
     request_timeout_s: float = knob(1800.0, "engine=vllm|openai: how long one turn's request may take", gt=0)
-    vllm_python: str = knob("auto", "engine=vllm: the python of the environment vLLM is installed in; "
-                            "auto: .venv-vllm/bin/python (make vllm-env)")
-    vllm_memory_fraction: float = knob(0.15, "engine=vllm: --gpu-memory-utilization (on CPU: the share of the NUMA "
-                                       "node's memory reserved for the KV cache)", gt=0, le=1)
-    vllm_args: list = knob([], "engine=vllm: more `vllm serve` flags, e.g. [--tensor-parallel-size, '2'] (then one "
-                           "server per 2 GPUs) or [--enforce-eager]")
-    vllm_startup_timeout_s: float = knob(900.0, "engine=vllm: how long a started server may take to answer /health",
-                                         gt=0)
 
 
 @dataclass
