@@ -98,7 +98,7 @@ def regenerate_batch(model, tokenizer, batch: list[Prompt], gen_config, stop_ids
                                                     batch[k].tools) for k in asking],
                                  max_tokens=1 << 62, chat_template_kwargs=chat_template_kwargs)
         for k, (text, ids, finished) in zip(asking, answer(model, tokenizer, prompts, gen_config, stop_ids, pad_id)):
-            tokens[k] += len(ids)
+            tokens[k] += len(ids) + finished   # the stop token too, as a server's completion_tokens count it
             unfinished[k] += not finished
             histories[k].append({"role": "assistant", "content": text, "token_ids": ids})
             if not text:
