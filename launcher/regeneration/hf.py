@@ -19,19 +19,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from dflash_core.data.prompts import Prompt, stop_token_ids
-from launcher.regeneration.parts import (
-    PartWriter,
-    every_prompt_skipped,
-    load_prompts,
-    merge_parts,
-    output_record,
-    part_file,
-    parts_dir,
-    prepare_parts,
-    read_part,
-    template_kwargs,
-    tokenize_prompts,
-)
+from launcher.regeneration import parts as part_files
 from launcher.resolve import compute_dtype, ensure_embedded_target, resolve_device, target_dir
 
 log = logging.getLogger("dflash")
@@ -125,29 +113,27 @@ def run_hf(cfg: DictConfig, rank: int, world: int) -> int:
     # without torchrun (no RANK), the job is one process: a group of one, over an in-memory store.
     single = {} if "RANK" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
     dist.init_process_group("gloo", timeout=timedelta(seconds=r.timeout_s), **single)
-    output, parts = Path(r.output).resolve(), parts_dir(cfg)
+    output, parts = Path(r.output).resolve(), part_files.parts_dir(cfg)
     if rank == 0:
         ensure_embedded_target(cfg, seed=0)
-        prepare_parts(cfg, parts, world)
+        part_files.prepare_parts(cfg, parts, world)
     dist.barrier()
 
     tokenizer = load_tokenizer(Path(r.tokenizer) if r.tokenizer else target_dir(cfg))
-    prompts, stats = load_prompts(cfg)
-    part = part_file(parts, rank)
-    done = read_part(part)
-    mine, dropped = tokenize_prompts(cfg, tokenizer, [p for p in prompts[rank::world] if p.index not in done])
+    prompts, stats = part_files.load_prompts(cfg)
+    part, done, mine, dropped = part_files.open_share(cfg, tokenizer, prompts[rank::world], parts, rank)
     shares = [None] * world
     dist.all_gather_object(shares, {"left": len(mine) + len(done), **dropped})
     if not sum(share["left"] for share in shares):   # on every rank alike, before the model loads
         if rank == 0:
             shutil.rmtree(parts, ignore_errors=True)
-        raise every_prompt_skipped(cfg, stats, shares)
+        raise part_files.every_prompt_skipped(cfg, stats, shares)
 
     check_target_files(target_dir(cfg))
     model = AutoModelForCausalLM.from_pretrained(target_dir(cfg), dtype=compute_dtype(cfg.target.dtype, device))
     model.requires_grad_(False).eval().to(device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    stop_ids = stop_token_ids(tokenizer, model.generation_config, template_kwargs(cfg))
+    stop_ids = stop_token_ids(tokenizer, model.generation_config, part_files.template_kwargs(cfg))
     gen_config = generation_config(cfg, stop_ids, pad_id)
     torch.manual_seed(r.seed + rank)
     # Longest first: batches of similar lengths pad little, and running out of memory shows up
@@ -155,10 +141,11 @@ def run_hf(cfg: DictConfig, rank: int, world: int) -> int:
     mine.sort(key=lambda p: -len(p.token_ids))
     counts = {"answered": 0, "unfinished_turns": 0, "empty": 0, **dropped, "resumed": len(done), "new_tokens": 0}
     started = time.perf_counter()
-    with PartWriter(part) as writer:
+    with part_files.PartWriter(part) as writer:
         for batch_no, start in enumerate(range(0, len(mine), r.batch_size)):
             batch = mine[start:start + r.batch_size]
-            answers = regenerate_batch(model, tokenizer, batch, gen_config, stop_ids, pad_id, template_kwargs(cfg))
+            answers = regenerate_batch(model, tokenizer, batch, gen_config, stop_ids, pad_id,
+                                       part_files.template_kwargs(cfg))
             for prompt, (conversation, tokens, unfinished) in zip(batch, answers):
                 counts["unfinished_turns"] += unfinished
                 counts["new_tokens"] += tokens
@@ -166,7 +153,7 @@ def run_hf(cfg: DictConfig, rank: int, world: int) -> int:
                     counts["empty"] += 1
                     continue
                 counts["answered"] += 1
-                writer.write(prompt.index, output_record(prompt, conversation), sync=False)
+                writer.write(prompt.index, part_files.output_record(prompt, conversation), sync=False)
             writer.sync()  # a crash loses at most the batch in flight
             if rank == 0 and (batch_no + 1) % r.log_every == 0:
                 log.info("rank 0: %d/%d prompts answered, %.1f tokens/s", start + len(batch), len(mine),
@@ -176,7 +163,7 @@ def run_hf(cfg: DictConfig, rank: int, world: int) -> int:
     gathered = [None] * world
     dist.all_gather_object(gathered, counts)  # also the barrier: every part file is complete
     if rank == 0:
-        written = merge_parts(parts, world, len(prompts), output)
+        written = part_files.merge_parts(parts, world, len(prompts), output)
         shutil.rmtree(parts)
         totals = {key: sum(c[key] for c in gathered) for key in counts if key != "wall_s"}
         wall = max(c["wall_s"] for c in gathered)

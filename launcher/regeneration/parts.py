@@ -131,6 +131,16 @@ def prepare_parts(cfg: DictConfig, parts: Path, world: int) -> None:
     meta.write_text(json.dumps({"fingerprint": fingerprint}) + "\n")
 
 
+def open_share(cfg: DictConfig, tokenizer, share: list[Prompt], parts: Path, rank: int
+               ) -> tuple[Path, dict[int, dict], list[Prompt], dict]:
+    """A rank's share of the prompts: (its part file, the answers it already holds, the prompts still
+    to answer, tokenised, and the drop counts of tokenize_prompts)."""
+    part = part_file(parts, rank)
+    done = read_part(part)
+    todo, dropped = tokenize_prompts(cfg, tokenizer, [p for p in share if p.index not in done])
+    return part, done, todo, dropped
+
+
 def read_part(file: Path) -> dict[int, dict]:
     """index -> output record; a torn last line (a crash mid-write) is dropped and the file rewritten."""
     if not file.is_file():

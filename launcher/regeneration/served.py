@@ -38,13 +38,11 @@ from launcher.regeneration.parts import (
     every_prompt_skipped,
     load_prompts,
     merge_parts,
+    open_share,
     output_record,
-    part_file,
     parts_dir,
     prepare_parts,
-    read_part,
     template_kwargs,
-    tokenize_prompts,
 )
 from launcher.serving.chat_client import ChatClient, RequestRefused, ServerDown
 
@@ -306,9 +304,7 @@ def run_served(cfg: DictConfig) -> int:
     output, parts = Path(r.output).resolve(), parts_dir(cfg)
     prepare_parts(cfg, parts, 1)
     prompts, stats = load_prompts(cfg)
-    part = part_file(parts, 0)
-    done = read_part(part)
-    todo, dropped = tokenize_prompts(cfg, tokenizer, [p for p in prompts if p.index not in done])
+    part, done, todo, dropped = open_share(cfg, tokenizer, prompts, parts, 0)
     if not todo and not done:
         shutil.rmtree(parts, ignore_errors=True)
         raise every_prompt_skipped(cfg, stats, [dropped])
