@@ -111,6 +111,17 @@ def test_a_missing_or_broken_export_is_named(tiny_target_dir, export_dir, tmp_pa
         _job(tiny_target_dir, f"drafter.init_from={broken}")
 
 
+def test_an_export_in_z_labs_layout_starts_a_run(tiny_target_dir, export_dir, tmp_path):
+    """z-lab's config.json keeps block_size at the top level only (dflash_config: mask token and layer ids)."""
+    theirs = tmp_path / "z-lab"
+    theirs.mkdir()
+    (theirs / WEIGHTS_NAME).write_bytes((export_dir / WEIGHTS_NAME).read_bytes())
+    config = json.loads((export_dir / "config.json").read_text())
+    del config["dflash_config"]["block_size"]
+    (theirs / "config.json").write_text(json.dumps(config))
+    assert _job(tiny_target_dir, f"drafter.init_from={theirs}").init_from.path == theirs.resolve()
+
+
 @pytest.mark.multiproc
 def test_launched_warm_start_records_its_origin_and_resume_takes_precedence(tiny_target_dir, export_dir, tmp_path):
     run_dir = tmp_path / "run"
