@@ -51,6 +51,16 @@ class CompilePlan:
 
 
 @dataclass(frozen=True)
+class WarmStart:
+    """drafter.init_from, checked against the configured drafter: the export the weights come from."""
+    path: Path
+    weights_sha256: str          # of its model.safetensors
+
+    def record(self) -> dict:
+        return {"path": str(self.path), "weights_sha256": self.weights_sha256}
+
+
+@dataclass(frozen=True)
 class Job:
     topology: Topology
     device: torch.device
@@ -71,3 +81,4 @@ class Job:
     channel: ChannelSettings
     fault: FaultSettings
     cfg: DictConfig              # the whole composed config, only for what records it (checkpoints' meta.json)
+    init_from: WarmStart | None = None   # the export the drafter's weights start from (none: random)

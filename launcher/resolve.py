@@ -25,12 +25,15 @@ from launcher.config import ConfigError
 from launcher.config.schema import DrafterSettings
 from launcher.distributed.schedule import Schedule
 from launcher.distributed.topology import Topology
-from launcher.job import CompilePlan, Job, TargetPlan
+from launcher.job import CompilePlan, Job, TargetPlan, WarmStart
 
 log = logging.getLogger("dflash")
 
 # Drafter shape keys that default to the target's (null in the schema).
 _SHAPE_OVERRIDES = ("hidden_size", "intermediate_size", "layer_types", "sliding_window")
+# The drafter.* key that sets a DrafterConfig field (the others come from the target checkpoint).
+_DRAFTER_KEYS = {"num_hidden_layers": "num_layers", "block_size": "block_size", "target_layer_ids": "target_layer_ids",
+                 "mask_token_id": "mask_token_id", **{key: key for key in _SHAPE_OVERRIDES}}
 _BUNDLED = {"bundled:tiny_chat": BUNDLED_DATASET}
 _LENGTH_LIMITS = {"data.max_length": "truncates longer ones",
                   "data.fixed_length": "is the row length, which a conversation must fit"}
@@ -109,6 +112,30 @@ def drafter_config(cfg: DictConfig, hf_config) -> DrafterConfig:
                  for key in _SHAPE_OVERRIDES if (value := cfg.drafter.get(key)) is not None}
     return drafter_config_for_target(hf_config, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
                                      mask_token_id=int(mask_token_id), target_layer_ids=ids, **overrides)
+
+
+def warm_start(cfg: DictConfig, dcfg: DrafterConfig) -> WarmStart | None:
+    """drafter.init_from checked on every rank before anything loads: a directory holding an export
+    whose drafter is exactly the configured one (else a ConfigError naming each differing field)."""
+    from dflash_core.serving.export import CONFIG_NAME, WEIGHTS_NAME, config_differences, weights_digest
+    setting = cfg.drafter.init_from
+    if setting is None:
+        return None
+    path = Path(setting)
+    missing = [name for name in (CONFIG_NAME, WEIGHTS_NAME) if not (path / name).is_file()]
+    if missing:
+        what = "no such directory" if not path.is_dir() else f"no {' and no '.join(missing)} in it"
+        raise ConfigError(f"drafter.init_from={setting!r}: {what} (a DFlash export directory: {CONFIG_NAME} and "
+                          f"{WEIGHTS_NAME}, as launcher.export writes them)")
+    differences = config_differences(path, dcfg)
+    if differences:
+        said = "; ".join(f"{field}: export {theirs!r}, configured {ours!r} "
+                         f"({'drafter.' + _DRAFTER_KEYS[field] if field in _DRAFTER_KEYS else 'from the target'})"
+                         for field, theirs, ours in differences)
+        raise ConfigError(f"drafter.init_from={setting!r}: the export's drafter differs from the configured one in "
+                          f"{len(differences)} field{'s' * (len(differences) > 1)}: {said}; set those keys to the "
+                          f"export's values, or start from an export of this shape")
+    return WarmStart(path.resolve(), weights_digest(path))
 
 
 def tokenizer_dir(cfg: DictConfig) -> Path:
@@ -207,6 +234,7 @@ def resolve(cfg: DictConfig, topology: Topology, device: torch.device) -> Job:
         check_target_files(path)
     hf_config = AutoConfig.from_pretrained(path)
     dcfg = drafter_config(cfg, hf_config)
+    init_from = warm_start(cfg, dcfg)
     backend = resolve_backend(cfg.drafter.backend, device)
     log.info("attention backend %s (drafter.backend=%s)", backend, cfg.drafter.backend)
     plan = compile_plan(cfg, backend, device, hf_config)
@@ -222,4 +250,4 @@ def resolve(cfg: DictConfig, topology: Topology, device: torch.device) -> Job:
                schedule=schedule(cfg, topology), tokenizer_dir=tokenizer_dir(cfg), packing=packed,
                data_sources=partial(dataset_paths, data.paths, "data.paths"), run=typed(cfg.run),
                train=typed(cfg.train), optim=typed(cfg.optim), data=data, channel=typed(cfg.channel),
-               fault=typed(cfg.fault), cfg=cfg)
+               fault=typed(cfg.fault), cfg=cfg, init_from=init_from)

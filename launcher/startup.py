@@ -136,7 +136,6 @@ def start_process(cfg: DictConfig, overrides: list[str], topo: Topology, env: Pr
     _check_same_config(cfg, groups.control)
     layout = [None] * env.world
     dist.all_gather_object(layout, this_rank(env.rank, role, device, gpu), group=groups.control)
-    record = provenance(overrides, layout)
     iso = isolate(role, env.rank, env.local_world, Path(cfg.isolation.cache_root or run_dir / "compile_cache"),
                   device, cfg.isolation.recompile_limit, cfg.isolation.compile_threads)
     log.info("pid %d role %s rank %d/%d device %s (host GPU %s) backend %s threads %d compile cache %s", iso.pid,
@@ -148,6 +147,7 @@ def start_process(cfg: DictConfig, overrides: list[str], topo: Topology, env: Pr
     progress.meet("target_ready")
     progress.stage("resolving")
     job = resolve(cfg, topo, device)
+    record = provenance(overrides, layout, job.init_from.record() if job.init_from else None)
     start_step, resume_from = _resume_point(job, env, topo.lead_drafter, run_dir, groups.control, progress)
     if env.rank == 0:   # only once the run may go on: a refused resume leaves the run's own record as it was
         (run_dir / "config.yaml").write_text(config_yaml(cfg))

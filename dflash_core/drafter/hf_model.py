@@ -24,8 +24,9 @@ def drafter_config_from_dict(data):
     if rope_theta is not None:
         values["rope_theta"] = rope_theta
     dflash = data["dflash_config"]
+    # z-lab's and SpecForge's configs keep block_size at the top level only.
     values.update(mask_token_id=dflash["mask_token_id"], target_layer_ids=dflash["target_layer_ids"],
-                  block_size=dflash["block_size"])
+                  block_size=dflash.get("block_size", data.get("block_size")))
     return DrafterConfig(**values)
 
 

@@ -16,17 +16,19 @@ The directory is world-readable (0755 / 0644) and written into a temporary sibli
 into place. It never replaces anything but a previous export, and that only when asked.
 """
 
+import hashlib
 import json
 import os
 import shutil
 import tempfile
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from ..drafter.model import DFlashDrafter
-from ..files.readers import bad_file, load_safetensors, read_json
+from ..drafter.model import DFlashDrafter, DrafterConfig
+from ..files.readers import bad_file, check_safetensors, load_safetensors, read_json
 from .finite import check_finite
 from .model_card import CARD_NAME, write_model_card
 
@@ -228,3 +230,24 @@ def read_exported_config(path):
     except (KeyError, TypeError, ValueError) as exc:
         raise bad_file(config_file, f"not a usable DFlash drafter config ({type(exc).__name__}: {exc})",
                        "point at a directory that launcher.export wrote") from None
+
+
+def config_differences(path, cfg):
+    """(field, the export's value, cfg's value) for every DrafterConfig field in which the export in
+    directory `path` differs from `cfg`: a warm start needs none (its weights would not fit, or would
+    read other target layers, mask token or block size)."""
+    exported = read_exported_config(path)
+    return [(f.name, getattr(exported, f.name), getattr(cfg, f.name)) for f in fields(DrafterConfig)
+            if getattr(exported, f.name) != getattr(cfg, f.name)]
+
+
+def weights_digest(path):
+    """The sha256 of the export's model.safetensors, after checking its header (a truncated file is a
+    BadFileError naming it): what a run that starts from these weights records of them."""
+    weights = Path(path) / WEIGHTS_NAME
+    check_safetensors(weights)
+    digest = hashlib.sha256()
+    with open(weights, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

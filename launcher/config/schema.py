@@ -84,6 +84,10 @@ class DrafterSettings:
     layer_types: Optional[list] = knob(None, "null: all full_attention; or full_attention | sliding_attention "
                                              "per layer")
     sliding_window: Optional[int] = knob(None, "window of sliding_attention layers", ge=1)
+    init_from: Optional[str] = knob(None, "warm start: a DFlash export directory (launcher.export's, or z-lab's: "
+                                          "config.json + model.safetensors) whose weights the drafter starts from; "
+                                          "its shape must equal this drafter's; the optimiser starts fresh. A "
+                                          "checkpoint of this run (run.resume) takes precedence", nonempty=True)
 
 
 @dataclass
@@ -275,6 +279,8 @@ class TrainJob:
     data: DataSettings = field(default_factory=DataSettings)
     optim: OptimSettings = field(default_factory=OptimSettings)
     topology: str = knob("auto", "t<T>d<D>: T target ranks then D drafter ranks; auto: 1 target unit")
+    recipe: Optional[str] = knob(None, "the recipe the config was composed from (recipe=<name>: "
+                                       "conf/recipe/<name>.yaml sets it); null: none")
     run: RunSettings = field(default_factory=RunSettings)
     train: TrainSettings = field(default_factory=TrainSettings)
     channel: ChannelSettings = field(default_factory=ChannelSettings)

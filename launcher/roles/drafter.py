@@ -12,7 +12,7 @@ import torch
 import dflash_core
 from dflash_core.drafter.compile import compile_count, report
 from dflash_core.serving.export import export_drafter
-from dflash_core.serving.model_card import TARGET_IDENTITY, target_identity
+from dflash_core.serving.model_card import INIT_FROM, TARGET_IDENTITY, target_identity
 from launcher.context import Context
 from launcher.distributed.channel import Receiver
 from launcher.distributed.isolation import CompileShare, source_digest
@@ -80,6 +80,7 @@ def _card(ctx: Context, trainer: DrafterTrainer, last_eval: dict | None) -> dict
             "steps": ctx.job.train.steps, "tokens_seen": trainer.tokens_seen,
             "heldout_tau": last_eval["decode_tau"] if last_eval else None,
             "heldout_anchor_tau": last_eval["tau"] if last_eval else None,
+            INIT_FROM: ctx.job.init_from.record() if ctx.job.init_from else None,
             "command": ctx.provenance["launcher_command"] or ctx.provenance["command"],
             "provenance": card_provenance(ctx.provenance)}
 
@@ -142,9 +143,13 @@ def run_drafter(ctx: Context, sink: MetricsSink | None) -> DrafterStats:
     lead = ctx.rank == topo.lead_drafter
     ctx.progress.stage("building_drafter")
     trainer = DrafterTrainer(job, ctx.groups.drafters)
-    if ctx.resume_from is not None:
+    if ctx.resume_from is not None:   # a checkpoint of this run: its weights, not drafter.init_from's
         ctx.progress.stage("restoring_checkpoint")
         trainer.load_state(checkpoint.load(ctx.resume_from)[1])
+    elif job.init_from is not None:
+        trainer.start_from(job.init_from)
+        log.info("drafter weights from %s (model.safetensors sha256 %s)", job.init_from.path,
+                 job.init_from.weights_sha256)
     compile_s = _warm_up(ctx, trainer)   # the warm-up, or else the first step: when this process compiles
     graphs_before_stream = compile_count()
     ctx.progress.meet("stream")

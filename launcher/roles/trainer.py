@@ -22,9 +22,10 @@ import torch.distributed as dist
 from dflash_core.drafter.model import DFlashDrafter
 from dflash_core.loss.frozen_head import FrozenTargetHead
 from dflash_core.loss.objective import StepCounts, drafter_step, evaluate_tau
+from dflash_core.serving.export import load_exported
 from launcher.distributed.channel import HIDDEN_DTYPE, FeatureBatch
 from launcher.distributed.sharded_adamw import ShardedAdamW
-from launcher.job import Job
+from launcher.job import Job, WarmStart
 from launcher.resolve import compute_dtype
 from launcher.roles.lr_schedule import lr_multiplier
 from launcher.run_io import checkpoint
@@ -132,6 +133,11 @@ class DrafterTrainer:
         return {"step": step, "model": model, "optimizer": optimizer,
                 "scheduler": self.scheduler.state_dict(), "rng": checkpoint.rng_state(),
                 "drafter_config": dataclasses.asdict(self.dcfg), "tokens_seen": self.tokens_seen}
+
+    def start_from(self, source: WarmStart) -> None:
+        """The drafter's weights from an export (drafter.init_from); the optimiser's moments, its step count
+        and the schedule stay those of a fresh run."""
+        self.optimizer.load_model_state_dict(load_exported(source.path).state_dict())
 
     def load_state(self, state: dict) -> None:
         self.optimizer.load_model_state_dict(state["model"])

@@ -69,10 +69,12 @@ def _command() -> str:
     return shlex.join([sys.executable, *entry, *sys.argv[1:]])
 
 
-def provenance(overrides: list[str], layout: list[dict]) -> dict:
+def provenance(overrides: list[str], layout: list[dict], init_from: dict | None = None) -> dict:
+    """init_from: where the drafter's initial weights came from (WarmStart.record(): the export's path and
+    the sha256 of its weights); None: a random initialisation."""
     return {"command": _command(), "launcher_command": _launcher_command(),
             "overrides": list(overrides), "code": code_version(), "versions": library_versions(),
-            "hosts": sorted({r["host"] for r in layout}), "ranks": layout}
+            "hosts": sorted({r["host"] for r in layout}), "ranks": layout, "init_from": init_from}
 
 
 def write_provenance(run_dir: Path, record: dict) -> Path:

@@ -1,0 +1,115 @@
+"""The recipes (conf/recipe/<name>.yaml): each composes into a complete, valid config without any
+weights present, says where each of its values comes from, fits its real target's shape, and trains
+end to end on the tiny stand-in target of its family with the recipe's settings wherever the tiny
+shape allows them."""
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from dflash_core.target.families import drafter_config_for_target
+from dflash_core.target.shapes import SHAPES, config_from_shape
+from launcher.cli import parse_flags
+from launcher.config import compose_config
+from tests.conftest import _build_tiny_target
+from tests.launching import REPO, torchrun
+
+RECIPE_DIR = REPO / "conf" / "recipe"
+# recipe -> (its target's family, the real shape in dflash_core/target/shapes.py where there is one)
+RECIPES = {"qwen3_8b": ("qwen3", "qwen3-8b"), "qwen3_6_27b": ("qwen3_5", None),
+           "qwen3_5_35b_a3b": ("qwen3_5_moe", "qwen3.5-35b-a3b"), "llama3_1_8b": ("llama", "llama3-8b"),
+           "gpt_oss_20b": ("gpt_oss", None)}
+# What a value's comment must name: the published recipe it follows, this project's measurement, or
+# that it is an estimate (or, for paths, that the user sets it).
+SOURCES = re.compile(r"\[z-lab\]|\[SpecForge\]|\[perf\]|estimate|set yours")
+TINY_LENGTH = 256   # the tiny targets' chats; their max_position_embeddings is 1024
+
+
+def _recipe(name: str):
+    return compose_config([f"recipe={name}"])
+
+
+def test_every_recipe_file_is_listed():
+    assert {path.stem for path in RECIPE_DIR.glob("*.yaml")} == set(RECIPES)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_cfg_job_prints_a_complete_config(name, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_flags([f"recipe={name}", "--cfg", "job"], "config", "")
+    assert exit_info.value.code == 0
+    printed = OmegaConf.create(capsys.readouterr().out)
+    assert printed.recipe == name and not OmegaConf.missing_keys(printed)
+    assert printed.target.path.startswith("/models/") and printed.target.build_tiny is False
+    spec = re.fullmatch(r"t(\d+)d(\d+)", printed.topology)
+    assert spec and int(spec[1]) + int(spec[2]) == 8, printed.topology   # one 8-GPU node
+    assert printed.drafter.block_size == 16 and printed.data.packing is True
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_value_says_where_it_comes_from(name):
+    body = (RECIPE_DIR / f"{name}.yaml").read_text().split("_self_", 1)[1]
+    values = [line for line in body.splitlines() if re.match(r"\s+\w+: \S", line)]
+    assert values
+    unsourced = [line for line in values if not SOURCES.search(line)]
+    # A value whose source is given in the comment block just above it (the estimates of steps, topology).
+    explained = [line for line in unsourced if line.strip().startswith(("steps:", "topology:"))]
+    assert unsourced == explained, unsourced
+
+
+@pytest.mark.parametrize("name", [name for name, (_, shape) in RECIPES.items() if shape])
+def test_recipe_fits_its_real_target_shape(name):
+    cfg, shape = _recipe(name), RECIPES[name][1]
+    config = config_from_shape(shape)
+    mask = cfg.drafter.mask_token_id
+    drafter = drafter_config_for_target(
+        config, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
+        mask_token_id=SHAPES[shape].mask_token_id if mask == "auto" else mask,
+        target_layer_ids=list(cfg.drafter.target_layer_ids),
+        **({"intermediate_size": cfg.drafter.intermediate_size} if cfg.drafter.intermediate_size else {}))
+    assert drafter.mask_token_id == (SHAPES[shape].mask_token_id or drafter.mask_token_id)
+    assert cfg.data.fixed_length <= config.max_position_embeddings
+    assert cfg.data.max_length <= cfg.data.fixed_length
+
+
+def _stand_in_overrides(name: str, target_dir: Path, tmp_path: Path) -> list[str]:
+    """The recipe on its family's tiny target: only what the tiny shape cannot hold is replaced (the
+    layer ids of a 36-64 layer target, the mask id of its vocabulary, lengths beyond its positions, the
+    anchors and FFN width of an 8B drafter), plus a few steps on one drafter."""
+    family = RECIPES[name][0]
+    overrides = [f"recipe={name}", f"target={'tiny' if family == 'qwen3' else f'tiny_{family}'}",
+                 f"target.path={target_dir}", "drafter.target_layer_ids=[0,2]", "drafter.mask_token_id=auto",
+                 "drafter.num_anchors=32", f"data.max_length={TINY_LENGTH}", f"data.fixed_length={TINY_LENGTH}",
+                 "data.paths=[bundled:tiny_chat]", "topology=t1d1", "train.steps=3", "train.eval_every=0",
+                 "run.checkpoint_every=0", f"run.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'tok'}",
+                 "run.progress=false"]
+    if _recipe(name).drafter.intermediate_size is not None:
+        overrides.append("drafter.intermediate_size=null")   # the tiny target's width
+    return overrides
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_trains_on_its_family_stand_in(name, tiny_target_dir, tmp_path):
+    family = RECIPES[name][0]
+    target_dir = tiny_target_dir if family == "qwen3" else _build_tiny_target(family)
+    overrides = _stand_in_overrides(name, target_dir, tmp_path)
+    proc = torchrun(2, *overrides)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_dir = tmp_path / "run"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3 and math.isfinite(summary["last_loss"]), summary
+    trained = OmegaConf.load(run_dir / "config.yaml")
+    recipe = _recipe(name)
+    kept = ("drafter.num_layers", "drafter.block_size", "drafter.gamma", "drafter.layer_types",
+            "drafter.sliding_window", "data.packing", "data.chat_template_kwargs", "optim.lr", "optim.schedule",
+            "optim.warmup_fraction", "optim.grad_clip", "train.micro_batch_size")
+    for key in kept:
+        assert OmegaConf.select(trained, key) == OmegaConf.select(recipe, key), key
+    exported = json.loads((run_dir / "export" / "config.json").read_text())
+    assert exported["num_hidden_layers"] == recipe.drafter.num_layers
+    assert exported["dflash_config"]["block_size"] == recipe.drafter.block_size
+    assert exported["layer_types"] == list(recipe.drafter.layer_types or ["full_attention"] * recipe.drafter.num_layers)
