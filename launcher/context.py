@@ -10,7 +10,7 @@ import torch
 from launcher.distributed.heartbeat import Heartbeat
 from launcher.distributed.isolation import Isolation
 from launcher.distributed.topology import Groups
-from launcher.resolve import Job
+from launcher.job import Job
 
 
 @dataclass
@@ -25,10 +25,6 @@ class Context:
     isolation: Isolation
     provenance: dict            # command, code and library versions, hosts, rank layout
     progress: Heartbeat         # stages reported to the peers, meeting points, and the watch naming a stalled peer
-
-    @property
-    def cfg(self):
-        return self.job.cfg
 
     @property
     def topo(self):

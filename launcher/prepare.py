@@ -45,14 +45,18 @@ def summary(samples, stats: dict, seconds: float) -> str:
 
 
 def run(overrides: list[str]) -> int:
+    from omegaconf import OmegaConf
+
+    from dflash_core.data import load_tokenizer
     from launcher.config import compose_config
     from launcher.dataset import load_run_samples
-    from launcher.resolve import ensure_embedded_target
+    from launcher.resolve import dataset_paths, ensure_embedded_target, tokenizer_dir
 
     cfg = compose_config(overrides)
     ensure_embedded_target(cfg, cfg.run.seed)   # the embedded tiny target's tokenizer, as training builds it
     started = time.perf_counter()
-    _, samples, stats = load_run_samples(cfg)
+    samples, stats = load_run_samples(dataset_paths(cfg.data.paths, "data.paths"), OmegaConf.to_object(cfg.data),
+                                      load_tokenizer(tokenizer_dir(cfg)))
     print(summary(samples, stats, time.perf_counter() - started))
     print(f"token stores under {cfg.data.cache_dir}: launcher.train with the same target.* and data.* finds them")
     return 0

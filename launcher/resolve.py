@@ -1,4 +1,4 @@
-"""The config resolved once per process into the typed settings the roles receive.
+"""The config resolved once per process into the typed settings the roles receive (launcher/job.py).
 
 Both roles must agree on what they derive from the target checkpoint (the captured layer ids,
 the feature width, the mask token), so it is derived here, once, from the same files on every
@@ -8,21 +8,24 @@ whether the drafter compiles and for which static shape it warms up.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from dflash_core.drafter.attention import FLEX_BACKENDS, resolve_backend
 from dflash_core.drafter.model import DrafterConfig
 from dflash_core.loss.objective import default_gamma
+from dflash_core.loss.settings import StepSettings
 from dflash_core.target.capture import check_target_files
 from dflash_core.target.families import drafter_config_for_target, text_config
 from dflash_core.target.tiny import BUNDLED_DATASET, first_unused_token_id
 from launcher.config import ConfigError
+from launcher.config.schema import DrafterSettings
 from launcher.distributed.schedule import Schedule
 from launcher.distributed.topology import Topology
+from launcher.job import CompilePlan, Job, TargetPlan
 
 log = logging.getLogger("dflash")
 
@@ -33,56 +36,6 @@ _LENGTH_LIMITS = {"data.max_length": "truncates longer ones",
                   "data.fixed_length": "is the row length, which a conversation must fit"}
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
            "fp16": torch.float16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class TargetPlan:
-    path: Path
-    hf_config: object            # the full target's Hugging Face config
-    layer_ids: list[int]         # captured layers (HF numbering)
-    dtype: torch.dtype           # compute dtype on this process's device
-    parallel: str                # replicate | tensor
-    tp_size: int
-    random_weights: bool
-    attention: str | None        # transformers attn_implementation (None: its default)
-
-    @property
-    def feature_width(self) -> int:
-        return text_config(self.hf_config).hidden_size * len(self.layer_ids)
-
-
-@dataclass(frozen=True)
-class StepSettings:
-    """The keyword arguments of dflash_core.loss.objective.drafter_step (and evaluate_tau's subset)."""
-    num_anchors: int
-    loss_type: str
-    gamma: float
-    alpha: float
-    backend: str                 # flex | sdpa (resolved for the device)
-    chunk_blocks: int
-    feature_noise_std: float
-    compiled: bool
-
-
-@dataclass(frozen=True)
-class CompilePlan:
-    compiled: bool                                # drafter layers and head loss through torch.compile
-    warm_up_shape: tuple[int, int] | None         # (rows, length) compiled before the stream starts
-    target_compiled: bool                         # the target's decoder layers through torch.compile
-
-
-@dataclass(frozen=True)
-class Job:
-    cfg: DictConfig
-    topology: Topology
-    device: torch.device
-    target: TargetPlan
-    drafter: DrafterConfig
-    step: StepSettings
-    compile: CompilePlan
-    schedule: Schedule
-    tokenizer_dir: Path
-    packing: bool                # several whole conversations per fixed-length training row
 
 
 # ----------------------------------------------------------------------------------- paths
@@ -237,6 +190,15 @@ def longest_conversation(cfg: DictConfig) -> tuple[int, list[str]]:
     return longest, [key for key, length in lengths.items() if length == longest]
 
 
+def step_settings(drafter: DrafterSettings, backend: str, compiled: bool) -> StepSettings:
+    """The drafter step's settings from the `drafter` section, with the attention backend and
+    compilation already resolved; a null drafter.gamma is the block size's default."""
+    return StepSettings(num_anchors=drafter.num_anchors, loss=drafter.loss,
+                        gamma=default_gamma(drafter.block_size) if drafter.gamma is None else drafter.gamma,
+                        dpace_alpha=drafter.dpace_alpha, backend=backend, chunk_blocks=drafter.chunk_blocks,
+                        feature_noise_std=drafter.feature_noise_std, compiled=compiled)
+
+
 def resolve(cfg: DictConfig, topology: Topology, device: torch.device) -> Job:
     """Everything the roles derive from the config and the target checkpoint, once."""
     from transformers import AutoConfig
@@ -246,16 +208,18 @@ def resolve(cfg: DictConfig, topology: Topology, device: torch.device) -> Job:
     hf_config = AutoConfig.from_pretrained(path)
     dcfg = drafter_config(cfg, hf_config)
     backend = resolve_backend(cfg.drafter.backend, device)
+    log.info("attention backend %s (drafter.backend=%s)", backend, cfg.drafter.backend)
     plan = compile_plan(cfg, backend, device, hf_config)
-    d = cfg.drafter
-    step = StepSettings(num_anchors=d.num_anchors, loss_type=d.loss,
-                        gamma=d.gamma if d.gamma is not None else default_gamma(d.block_size), alpha=d.dpace_alpha,
-                        backend=backend, chunk_blocks=d.chunk_blocks, feature_noise_std=d.feature_noise_std,
-                        compiled=plan.compiled)
     packed = packing(cfg, hf_config)
     target = TargetPlan(path=path, hf_config=hf_config, layer_ids=dcfg.target_layer_ids,
                         dtype=compute_dtype(cfg.target.dtype, device), parallel=cfg.target.parallel,
                         tp_size=cfg.target.tp_size, random_weights=cfg.target.random_weights,
                         attention=target_attention(packed, device, hf_config))
-    return Job(cfg=cfg, topology=topology, device=device, target=target, drafter=dcfg, step=step,
-               compile=plan, schedule=schedule(cfg, topology), tokenizer_dir=tokenizer_dir(cfg), packing=packed)
+    typed = OmegaConf.to_object   # each section as the schema's dataclass
+    data = typed(cfg.data)
+    return Job(topology=topology, device=device, target=target, drafter=dcfg,
+               step=step_settings(typed(cfg.drafter), backend, plan.compiled), compile=plan,
+               schedule=schedule(cfg, topology), tokenizer_dir=tokenizer_dir(cfg), packing=packed,
+               data_sources=partial(dataset_paths, data.paths, "data.paths"), run=typed(cfg.run),
+               train=typed(cfg.train), optim=typed(cfg.optim), data=data, channel=typed(cfg.channel),
+               fault=typed(cfg.fault), cfg=cfg)

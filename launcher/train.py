@@ -18,10 +18,10 @@ Examples:
 
 def run(overrides: list[str]) -> int:
     from launcher.config import compose_config
-    from launcher.distributed.startup import ProcessEnv
     from launcher.distributed.topology import parse_topology
     from launcher.resolve import check_combinations
     from launcher.run_io.rundir import setup_logging
+    from launcher.startup import ProcessEnv
 
     setup_logging(f"rank{os.environ.get('RANK', 0)}", logging.WARNING)
     cfg = compose_config(overrides)
@@ -32,17 +32,19 @@ def run(overrides: list[str]) -> int:
 
     import torch.distributed as dist
 
-    from launcher.distributed.startup import start_process
     from launcher.run_io.metrics import MetricsSink
+    from launcher.run_io.summary import RankStats
+    from launcher.startup import start_process
     ctx = start_process(cfg, overrides, topo, env)
     sink = MetricsSink(ctx.run_dir, cfg, ctx.start_step) if env.rank == topo.lead_drafter else None
     if topo.role(env.rank) == "target":
         from launcher.roles.target import run_target
-        stats = run_target(ctx)
+        work = run_target(ctx)
     else:
         from launcher.roles.drafter import run_drafter
-        stats = run_drafter(ctx, sink)
-    stats.update(rank=env.rank, role=topo.role(env.rank), pid=ctx.isolation.pid, cache_dir=str(ctx.isolation.cache_dir))
+        work = run_drafter(ctx, sink)
+    stats = RankStats(rank=env.rank, role=topo.role(env.rank), pid=ctx.isolation.pid,
+                      cache_dir=str(ctx.isolation.cache_dir), work=work)
     gathered = [None] * env.world
     dist.all_gather_object(gathered, stats, group=ctx.groups.control)
     if sink is not None:

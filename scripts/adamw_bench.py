@@ -1,10 +1,11 @@
-"""Time the drafter's AdamW update alone at the production drafter's parameter shapes (issue 13:
-~10 ms of the Qwen3-8B-shaped step), against the HBM floor, for the ways PyTorch (and our kernel) can run it.
+"""Time the drafter's AdamW update alone at the production drafter's parameter shapes (issue 13; its
+share of the Qwen3-8B-shaped step: docs/perf_notes.md), against the HBM floor, for the ways PyTorch
+(and our kernel) can run it.
 
     python scripts/adamw_bench.py --out adamw.json
 
 fp32 parameters, gradients and moments: the update reads 16 and writes 12 bytes per parameter,
-so its floor is 28 bytes x parameters / the HBM bandwidth (4.8 TB/s on H200). Variants:
+so its floor is 28 bytes x parameters / the HBM bandwidth (--hbm-tb-s: the spec sheet's). Variants:
   fused        torch.optim.AdamW(fused=True) with grad_scale and found_inf tensors (the trainer's until the
                seventh session)
   fused_flat   the same on one flat parameter as large as all the weights: one tensor instead of 58
@@ -56,14 +57,14 @@ def _timed(step, device, reps: int) -> float:
 
 def _timed_on_device(step, device, reps: int) -> float:
     """Device seconds per call of `step` when queueing it takes the host longer than the GPU takes to run
-    it (the norm rows: 58 launches of a ~10 us kernel, where `_timed` measured the host): the GPU sleeps
+    it (the norm rows: 58 launches of a short kernel, where `_timed` measured the host): the GPU sleeps
     while the host queues all `reps` calls (keep reps x launches under CUDA's ~1000 queued kernels), then
     runs them back to back between two events."""
     for _ in range(3):
         step()
     torch.cuda.synchronize(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(1_000_000_000)   # ~0.5-0.7 s of clock cycles: longer than queueing the calls takes
+    torch.cuda._sleep(1_000_000_000)   # a billion clock cycles: longer than queueing the calls takes
     start.record()
     for _ in range(reps):
         step()

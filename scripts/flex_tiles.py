@@ -1,5 +1,5 @@
 """Time the drafter's flex_attention alone, at a production shape, for several kernel tile
-configurations (issue 13: flex ran at ~200 TFLOP/s where the GEMMs reach ~790).
+configurations (issue 13: flex ran far below the GEMMs' rate; docs/perf_notes.md, "Step time, second pass").
 
     python scripts/flex_tiles.py --seq 4096 --anchors 512 --out flex_tiles.json
 

@@ -2,8 +2,9 @@
 
     torchrun --standalone --nproc-per-node 2 scripts/gpu_debug_init.py [--no-device-id]
 
-Two launches on nvidia-h200-x2 (torch 2.11) printed nothing for 300 s and then failed, before
-any rank logged its first line; this script narrows that down to one call.
+Two launches on nvidia-h200-x2 (torch 2.11) printed nothing until they timed out, before any rank
+logged its first line; this script narrows that down to one call (what it found: docs/perf_notes.md,
+"Changes", the first session's open questions).
 """
 import argparse
 import faulthandler

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Checks to run through the device tool, stage by stage, each writing its log to $OUT:
-#   bash scripts/gpu_session.sh debug train fault evaluate drafter   (~8 min on nvidia-h200-x2)
-#   bash scripts/gpu_session.sh bench                                (~8 min)
+#   bash scripts/gpu_session.sh debug train fault evaluate drafter   (on nvidia-h200-x2)
+#   bash scripts/gpu_session.sh bench                                (durations: docs/perf_notes.md, "Figures the code quoted")
 #   bash scripts/gpu_session.sh stages gpu-tests   then   mix-e2e    (packed vs padded, issue 12; x2 for mix-e2e)
 #   bash scripts/gpu_session.sh shapes                               (Llama-3-8B, Qwen3.5-35B-A3B target rows)
 #   bash scripts/gpu_session.sh drafter-ab                           (the drafter step, this tree vs an older one;

@@ -18,13 +18,14 @@ import time
 import torch
 
 from dflash_core.data.prompts import Prompt
-from launcher.bench.counts import H200_HBM_TB_PER_S, SHAPES
+from dflash_core.target.shapes import SHAPES, config_from_shape
+from launcher.bench.ceiling import H200_HBM_TB_PER_S
 from launcher.regenerate import generate
 
 
 def build_model(shape: str, device: torch.device):
-    from transformers import AutoConfig, AutoModelForCausalLM
-    config = AutoConfig.for_model(**SHAPES[shape])
+    from transformers import AutoModelForCausalLM
+    config = config_from_shape(shape)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)

@@ -1,5 +1,9 @@
-"""Drafter configs the tests share: a small one to vary, and the production Qwen3-8B shape."""
+"""Drafter configs the tests share (a small one to vary, and the production Qwen3-8B shape), and the
+step settings a test's drafter trains with."""
 from dflash_core.drafter.model import DrafterConfig
+from dflash_core.loss.settings import StepSettings
+from launcher.config.schema import DrafterSettings
+from launcher.resolve import step_settings as resolved_step_settings
 
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
              intermediate_size=48, vocab_size=50, block_size=4, target_layer_ids=[0, 1], num_target_layers=2,
@@ -17,3 +21,9 @@ def qwen3_8b_drafter_config() -> DrafterConfig:
                           head_dim=128, intermediate_size=12288, vocab_size=151936, block_size=16,
                           target_layer_ids=[1, 9, 17, 25, 33], num_target_layers=36, mask_token_id=151669,
                           rope_theta=1e6)
+
+
+def step_settings(drafter, *, backend: str = "sdpa", compiled: bool = False, **keys) -> StepSettings:
+    """The config's default step settings (launcher/config/schema.py) for `drafter`'s block size, as
+    launcher/resolve.py builds them, with drafter.* `keys` overridden (sdpa, eager by default)."""
+    return resolved_step_settings(DrafterSettings(block_size=drafter.config.block_size, **keys), backend, compiled)

@@ -76,6 +76,7 @@ def fit_export(target_dir: Path, out_dir: Path, *, dtype=torch.float32) -> Path:
     from dflash_core.serving.speculative import head_from_target
     from dflash_core.target.families import drafter_config_for_target
     from dflash_core.target.tiny import first_unused_token_id
+    from tests.drafters import step_settings
 
     torch.manual_seed(0)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
@@ -89,8 +90,8 @@ def fit_export(target_dir: Path, out_dir: Path, *, dtype=torch.float32) -> Path:
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3, weight_decay=0.0)
     generator = torch.Generator().manual_seed(0)
     for _ in range(FIT_STEPS):
-        out = drafter_step(drafter, head, input_ids, loss_mask, features, num_anchors=32, generator=generator,
-                           backend="sdpa", chunk_blocks=16)
+        out = drafter_step(drafter, head, input_ids, loss_mask, features,
+                           step_settings(drafter, num_anchors=32, chunk_blocks=16), generator=generator)
         optimizer.zero_grad()
         (out.loss_sum / out.counts.weight_sum).backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)

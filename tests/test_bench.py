@@ -70,7 +70,7 @@ def test_bench_shape_composes_the_production_drafter(tmp_path, tiny_target_dir):
     """The overrides the GPU run uses give exactly the Qwen3-8B dflash5 drafter."""
     import dataclasses
 
-    from launcher.bench.counts import MASK_TOKEN_IDS
+    from dflash_core.target.shapes import SHAPES
     from launcher.bench.inputs import run_overrides, write_bench_target
     from launcher.config import compose_config
     from launcher.resolve import drafter_config
@@ -78,7 +78,7 @@ def test_bench_shape_composes_the_production_drafter(tmp_path, tiny_target_dir):
     target = write_bench_target(tmp_path / "target", "qwen3-8b", tiny_target_dir)
     cfg = compose_config(run_overrides(target_dir=target, data_path=tmp_path / "d.jsonl", seq_len=4096, steps=5,
                                        tiny=False, anchors=512, work=tmp_path,
-                                       mask_token_id=MASK_TOKEN_IDS["qwen3-8b"]))
+                                       mask_token_id=SHAPES["qwen3-8b"].mask_token_id))
     from transformers import AutoConfig
     got = dataclasses.asdict(drafter_config(cfg, AutoConfig.from_pretrained(target)))
     want = dataclasses.asdict(qwen3_8b_drafter_config())
@@ -146,7 +146,7 @@ def test_new_shapes_write_their_own_config_class_and_drafter(tmp_path, tiny_targ
                                                              layer_ids, intermediate):
     from transformers import AutoConfig
 
-    from launcher.bench.counts import MASK_TOKEN_IDS
+    from dflash_core.target.shapes import SHAPES
     from launcher.bench.inputs import run_overrides, write_bench_target
     from launcher.config import compose_config
     from launcher.resolve import drafter_config
@@ -154,7 +154,7 @@ def test_new_shapes_write_their_own_config_class_and_drafter(tmp_path, tiny_targ
     target = write_bench_target(tmp_path / "target", shape, tiny_target_dir)
     hf = AutoConfig.from_pretrained(target)
     assert type(hf).__name__ == config_class and hf.num_hidden_layers == {"llama3-8b": 32}.get(shape, 40)
-    assert MASK_TOKEN_IDS.get(shape, "auto") == mask
+    assert (SHAPES[shape].mask_token_id or "auto") == mask
     cfg = compose_config(run_overrides(target_dir=target, data_path=tmp_path / "d.jsonl", seq_len=4096, steps=5,
                                        tiny=False, anchors=512, work=tmp_path, mask_token_id=mask))
     dcfg = drafter_config(cfg, hf)
@@ -447,7 +447,7 @@ def test_balance_rows_per_mode_and_stage_rates_from_json(tmp_path):
 
 
 def test_bad_bench_flags_are_clear_errors(capsys):
-    from launcher.bench.__main__ import parse_args
+    from launcher.bench.options import parse_args
     with pytest.raises(SystemExit):
         parse_args(["--modes", "padded,sorted"])
     assert "--modes 'padded,sorted': choose from padded, packed" in capsys.readouterr().err

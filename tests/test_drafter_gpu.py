@@ -11,7 +11,7 @@ from dflash_core.drafter.compile import compile_count
 from dflash_core.drafter.model import DFlashDrafter
 from dflash_core.loss.frozen_head import FrozenTargetHead
 from dflash_core.loss.objective import drafter_step
-from tests.drafters import drafter_config
+from tests.drafters import drafter_config, step_settings
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -82,8 +82,9 @@ def test_training_compiles_once_per_shape_and_never_waits_for_the_device(backend
         torch.cuda.set_sync_debug_mode("error" if step else "default")
         try:
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                out = drafter_step(drafter, head, ids, mask, hidden, num_anchors=24, generator=gen,
-                                   backend=backend, chunk_blocks=16, compiled=True)
+                out = drafter_step(drafter, head, ids, mask, hidden,
+                                   step_settings(drafter, backend=backend, compiled=True, num_anchors=24,
+                                                 chunk_blocks=16), generator=gen)
             optimizer.zero_grad(set_to_none=True)
             (out.loss_sum / out.counts.weight_sum).backward()
         finally:

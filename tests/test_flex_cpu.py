@@ -16,7 +16,7 @@ import torch
 from dflash_core.drafter import attention
 from dflash_core.drafter.compile import compile_count
 from dflash_core.drafter.model import DFlashDrafter
-from tests.drafters import drafter_config
+from tests.drafters import drafter_config, step_settings
 
 B, S, N, BS, HIDDEN = 2, 40, 6, 4, 32
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}  # fp32; measured max abs difference ~1.2e-7
@@ -127,10 +127,10 @@ def test_packed_flex_loss_equals_its_documents_alone(drafter, compiles_before):
     mask = (torch.rand(B, S, generator=gen) < 0.8).long()
     features = torch.randn(B, S, 2 * HIDDEN, generator=gen)
     anchors, keep = sample_anchors(mask, N, gen, PACKED)
-    packed = drafter_step(drafter, head, ids, mask, features, position_ids=PACKED, fixed_anchors=(anchors, keep),
-                          backend="flex", chunk_blocks=N).loss_sum
-    alone = sum(drafter_step(drafter, head, *rows, fixed_anchors=doc_anchors, backend="flex",
-                             chunk_blocks=N).loss_sum
+    settings = step_settings(drafter, backend="flex", chunk_blocks=N)
+    packed = drafter_step(drafter, head, ids, mask, features, settings, position_ids=PACKED,
+                          fixed_anchors=(anchors, keep)).loss_sum
+    alone = sum(drafter_step(drafter, head, *rows, settings, fixed_anchors=doc_anchors).loss_sum
                 for rows, doc_anchors in (alone_rows(ids, mask, features, anchors, keep, doc) for doc in range(3)))
     torch.testing.assert_close(packed, alone, **TOLERANCE)
     assert compile_count("flex_attention") <= compiles_before + 2
@@ -170,8 +170,9 @@ def test_evaluation_recompiles_nothing_across_batches(drafter):
             ids = torch.randint(0, 49, (rows, S), generator=gen)
             mask = (torch.arange(S) < supervised).long().expand(rows, -1)
             features = torch.randn(rows, S, 2 * HIDDEN, generator=gen)
-            evaluate_tau(drafter, head, ids, mask, features, position_ids=None if position_ids is None
-                         else position_ids[:rows], backend="flex", num_anchors=N, chunk_blocks=N, compiled=True)
+            evaluate_tau(drafter, head, ids, mask, features,
+                         step_settings(drafter, backend="flex", compiled=True, num_anchors=N, chunk_blocks=N),
+                         position_ids=None if position_ids is None else position_ids[:rows])
             counts.append(compile_count("drafter_layer"))
     assert counts[0] > 0 and counts[2] == counts[1] == counts[0]   # two rows: one graph
     assert counts[5] == counts[4] == counts[3]                      # one row: one more, once

@@ -1,12 +1,11 @@
 import pytest
-from omegaconf import OmegaConf
 
+from launcher.config.schema import OptimSettings
 from launcher.roles.lr_schedule import lr_multiplier
 
 
 def _optim(schedule):
-    return OmegaConf.create({"schedule": schedule, "warmup_fraction": 0.1, "decay_fraction": 0.2,
-                             "min_lr_ratio": 0.1})
+    return OptimSettings(schedule=schedule, warmup_fraction=0.1, decay_fraction=0.2, min_lr_ratio=0.1)
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "wsd", "constant"])

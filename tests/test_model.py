@@ -161,6 +161,14 @@ def test_forward_casts_bf16_inputs_to_the_parameter_dtype():
     assert out.dtype == torch.float32
 
 
+def test_forward_refuses_an_unresolved_backend():
+    """The caller resolves the backend once (attention.resolve_backend); forward never picks one itself."""
+    drafter = DFlashDrafter(tiny_config(), seed=0)
+    with pytest.raises(ValueError, match="backend='auto': expected one of"):
+        drafter(torch.randn(1, 8, 64), torch.randn(1, 8, 32), torch.tensor([[1, 3]]), torch.tensor([[True, True]]),
+                backend="auto")
+
+
 
 def test_forward_announces_every_weight_before_reading_it():
     """weights_ready (the hook a sharded optimiser's all-gathers wait in) names a module, or one it lies in,

@@ -19,7 +19,7 @@ from dflash_core.loss.objective import (
     evaluate_tau,
 )
 from dflash_core.target.families import drafter_config_for_target
-from tests.drafters import drafter_config
+from tests.drafters import drafter_config, step_settings
 
 VOCAB, HIDDEN, BS, MASK_ID = 40, 32, 4, 39
 
@@ -100,8 +100,8 @@ def test_step_with_an_oracle_drafter_hits_every_label():
     input_ids, loss_mask, hidden = random_batch()
     drafter = OracleDrafter(tiny_drafter().config, input_ids)
     anchors, keep = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(0))
-    out = drafter_step(drafter, identity_head(), input_ids, loss_mask, hidden,
-                       fixed_anchors=(anchors, keep), backend="sdpa")
+    out = drafter_step(drafter, identity_head(), input_ids, loss_mask, hidden, step_settings(drafter),
+                       fixed_anchors=(anchors, keep))
     expected_weight = torch.zeros(BS)
     expected_tau = 0
     for b, j in keep.nonzero().tolist():
@@ -145,8 +145,8 @@ def test_loss_chunking_does_not_change_loss_or_gradients():
     results = []
     for chunk_blocks in (1, 4, 6):
         drafter = tiny_drafter()
-        out = drafter_step(drafter, head, input_ids, loss_mask, hidden, fixed_anchors=anchors,
-                           loss_type="dpace", backend="sdpa", chunk_blocks=chunk_blocks)
+        out = drafter_step(drafter, head, input_ids, loss_mask, hidden,
+                           step_settings(drafter, loss="dpace", chunk_blocks=chunk_blocks), fixed_anchors=anchors)
         out.loss_sum.backward()
         results.append((out.loss_sum.detach(), [p.grad for p in drafter.parameters()]))
     for loss, grads in results[1:]:
@@ -167,8 +167,8 @@ def split_gradients(drafter, head, batch, anchors, keep, *, ranks, accum, loss_t
     for index, rows in enumerate(pieces):
         rank = index // accum
         out = drafter_step(replicas[rank], head, input_ids[rows], loss_mask[rows], hidden[rows],
-                           fixed_anchors=(anchors[rows], keep[rows]), loss_type=loss_type,
-                           backend="sdpa", chunk_blocks=2)
+                           step_settings(drafter, loss=loss_type, chunk_blocks=2),
+                           fixed_anchors=(anchors[rows], keep[rows]))
         if normalise_globally:
             out.loss_sum.backward()
         else:  # the classic bug: normalise each micro-batch by its own weights
@@ -204,9 +204,9 @@ def test_step_is_reproducible_with_equal_generators_and_noise_changes_it():
     drafter, head = tiny_drafter(), FrozenTargetHead.random(VOCAB, HIDDEN, seed=1)
 
     def loss(seed, noise=0.0):
-        out = drafter_step(drafter, head, input_ids, loss_mask, hidden, num_anchors=5,
-                           generator=torch.Generator().manual_seed(seed), backend="sdpa",
-                           feature_noise_std=noise)
+        out = drafter_step(drafter, head, input_ids, loss_mask, hidden,
+                           step_settings(drafter, num_anchors=5, feature_noise_std=noise),
+                           generator=torch.Generator().manual_seed(seed))
         return out.loss_sum.item()
     assert loss(0) == loss(0)
     assert loss(0) != loss(1)
@@ -216,8 +216,7 @@ def test_step_is_reproducible_with_equal_generators_and_noise_changes_it():
 def test_evaluate_tau_of_an_oracle_is_the_supervised_run_length():
     input_ids, loss_mask, hidden = random_batch()
     drafter = OracleDrafter(tiny_drafter().config, input_ids)
-    counts = evaluate_tau(drafter, identity_head(), input_ids, loss_mask, hidden,
-                          backend="sdpa", num_anchors=4)
+    counts = evaluate_tau(drafter, identity_head(), input_ids, loss_mask, hidden, step_settings(drafter, num_anchors=4))
     result = counts.summary()
     taus = []
     for b in range(input_ids.shape[0]):
@@ -236,7 +235,7 @@ def test_evaluate_tau_counts_misses():
     input_ids, loss_mask, hidden = random_batch()
     drafter = OracleDrafter(tiny_drafter().config, torch.roll(input_ids, 1, dims=1))
     result = evaluate_tau(drafter, identity_head(), input_ids, loss_mask, hidden,
-                          backend="sdpa", num_anchors=4).summary()
+                          step_settings(drafter, num_anchors=4)).summary()
     assert result["tau"] < 1.5 and max(result["acc_k"]) < 0.5 and result["eal"] < 1.5
 
 
@@ -279,9 +278,9 @@ def test_compiled_layers_and_head_loss_match_eager_and_compile_once():
         outs = []
         for model, is_compiled in ((eager, False), (compiled, True)):
             model.zero_grad()
-            out = drafter_step(model, head, *batch, num_anchors=6, loss_type="dpace", backend="sdpa",
-                               generator=torch.Generator().manual_seed(seed), chunk_blocks=3,
-                               compiled=is_compiled)
+            out = drafter_step(model, head, *batch,
+                               step_settings(model, num_anchors=6, loss="dpace", chunk_blocks=3, compiled=is_compiled),
+                               generator=torch.Generator().manual_seed(seed))
             out.loss_sum.backward()
             outs.append((out, [p.grad.clone() for p in model.parameters()]))
         (want, want_grads), (got, got_grads) = outs
@@ -347,7 +346,7 @@ def test_decode_tau_is_what_speculative_decoding_of_the_same_text_reports(tiny_t
     ids, mask, hidden = as_data(greedy_decode(target, prompt, 40))
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     for _ in range(40):   # partly fitted: uneven acceptance along the answer tells the walk from the anchor mean
-        drafter_step(drafter, head, ids, mask, hidden, num_anchors=64, backend="sdpa",
+        drafter_step(drafter, head, ids, mask, hidden, step_settings(drafter, num_anchors=64),
                      fixed_anchors=all_valid_anchors(mask)).loss_sum.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -357,6 +356,6 @@ def test_decode_tau_is_what_speculative_decoding_of_the_same_text_reports(tiny_t
     steps = decoded.accepted[:-1]
     assert len(steps) >= 3 and len(set(steps)) > 1, decoded.accepted
     answer = decoded.tokens[:1 + sum(a + 1 for a in steps)]
-    counts = evaluate_tau(drafter, head, *as_data(answer), backend="sdpa", num_anchors=8)
+    counts = evaluate_tau(drafter, head, *as_data(answer), step_settings(drafter, num_anchors=8))
     assert (counts.walk_steps, counts.walk_tokens) == (len(steps), sum(a + 1 for a in steps))
     assert counts.summary()["decode_tau"] == pytest.approx(sum(a + 1 for a in steps) / len(steps))

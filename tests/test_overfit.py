@@ -5,7 +5,7 @@ import torch
 from dflash_core.drafter.model import DFlashDrafter
 from dflash_core.loss.frozen_head import FrozenTargetHead
 from dflash_core.loss.objective import drafter_step, evaluate_tau
-from tests.drafters import drafter_config
+from tests.drafters import drafter_config, step_settings
 
 VOCAB, HIDDEN, SEQ, BS = 64, 64, 96, 8
 
@@ -22,17 +22,16 @@ def test_tiny_drafter_overfits_one_sample():
     loss_mask[:, :10] = 0  # a "prompt"
     hidden = torch.randn(1, SEQ, 2 * HIDDEN, generator=gen)  # stands in for target features
 
+    settings = step_settings(drafter, num_anchors=48, chunk_blocks=16)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3, weight_decay=0.0)
     for _ in range(200):
-        out = drafter_step(drafter, head, input_ids, loss_mask, hidden, num_anchors=48,
-                           generator=gen, backend="sdpa", chunk_blocks=16)
+        out = drafter_step(drafter, head, input_ids, loss_mask, hidden, settings, generator=gen)
         optimizer.zero_grad()
         (out.loss_sum / out.counts.weight_sum).backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         optimizer.step()
 
-    result = evaluate_tau(drafter, head, input_ids, loss_mask, hidden, backend="sdpa",
-                          num_anchors=48).summary()
+    result = evaluate_tau(drafter, head, input_ids, loss_mask, hidden, settings).summary()
     assert len(result["acc_k"]) == BS - 1
     assert min(result["acc_k"]) >= 0.95, result["acc_k"]
     assert result["tau"] > 0.9 * (BS - 0.5)

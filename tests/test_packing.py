@@ -9,7 +9,7 @@ from dflash_core.drafter.model import DFlashDrafter
 from dflash_core.loss.anchors import sample_anchors
 from dflash_core.loss.frozen_head import FrozenTargetHead
 from dflash_core.loss.objective import drafter_step, evaluate_tau
-from tests.drafters import drafter_config
+from tests.drafters import drafter_config, step_settings
 
 VOCAB, HIDDEN, BS, MASK_ID = 40, 32, 4, 39
 DOC_LENGTHS = (23, 9, 31)  # packed back to back, then 7 padding tokens: S = 70
@@ -61,8 +61,8 @@ def split_anchors(anchors, keep):
 
 def step(model, head, batch, anchors, loss_type, position_ids=None):
     model.zero_grad()
-    out = drafter_step(model, head, *batch, position_ids=position_ids, fixed_anchors=anchors,
-                       loss_type=loss_type, backend="sdpa", chunk_blocks=3)
+    out = drafter_step(model, head, *batch, step_settings(model, loss=loss_type, chunk_blocks=3),
+                       position_ids=position_ids, fixed_anchors=anchors)
     out.loss_sum.backward()
     return out, [p.grad.clone() for p in model.parameters()]
 
@@ -110,9 +110,9 @@ def test_a_document_at_offset_1000_is_drafted_as_if_alone():
 def test_evaluate_tau_of_a_packed_row_is_the_sum_over_its_documents():
     docs, model, head = documents(seed=2), drafter(), FrozenTargetHead.random(VOCAB, HIDDEN, seed=1)
     *batch, position_ids = packed_row(docs)
-    packed = evaluate_tau(model, head, *batch, position_ids=position_ids, backend="sdpa", num_anchors=8)
-    alone = [evaluate_tau(model, head, ids[None], mask[None], hidden[None], backend="sdpa", num_anchors=8)
-             for ids, mask, hidden in docs]
+    settings = step_settings(model, num_anchors=8)
+    packed = evaluate_tau(model, head, *batch, settings, position_ids=position_ids)
+    alone = [evaluate_tau(model, head, ids[None], mask[None], hidden[None], settings) for ids, mask, hidden in docs]
     total = alone[0] + alone[1] + alone[2]
     for field in ("loss_sum", "weight_sum", "tau_sum", "tau_count", "slot_correct", "slot_weight"):
         torch.testing.assert_close(getattr(packed, field), getattr(total, field), **TOLERANCE)
@@ -130,6 +130,6 @@ def test_held_out_evaluation_of_unpacked_rows_is_unchanged():
     hidden = torch.randn(*batch.input_ids.shape, 2 * HIDDEN, generator=torch.Generator().manual_seed(0))
     model, head = drafter(), FrozenTargetHead.random(VOCAB, HIDDEN, seed=1)
     args = (model, head, batch.input_ids, batch.loss_mask, hidden)
-    with_positions = evaluate_tau(*args, position_ids=batch.position_ids, backend="sdpa", num_anchors=8)
-    without = evaluate_tau(*args, backend="sdpa", num_anchors=8)
+    with_positions = evaluate_tau(*args, step_settings(model, num_anchors=8), position_ids=batch.position_ids)
+    without = evaluate_tau(*args, step_settings(model, num_anchors=8))
     assert torch.equal(with_positions.pack(), without.pack())

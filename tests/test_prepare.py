@@ -2,11 +2,15 @@
 import json
 
 import pytest
+import torch
 
 import dflash_core.data.tokenize as tokenize
+from dflash_core.data import load_tokenizer
 from launcher import prepare
 from launcher.config import compose_config
 from launcher.dataset import load_run_samples
+from launcher.distributed.topology import Topology
+from launcher.resolve import resolve
 
 
 def test_prepare_fills_the_stores_training_opens_and_says_what_it_will_find(tmp_path, tiny_target_dir, capsys,
@@ -23,5 +27,6 @@ def test_prepare_fills_the_stores_training_opens_and_says_what_it_will_find(tmp_
     assert "4 duplicates of an earlier record" in printed and "1 invalid JSON" in printed
     assert "lengths: min" in printed and "#" in printed
     monkeypatch.setattr(tokenize, "tokenize_source", lambda *a, **k: pytest.fail("training tokenised again"))
-    _, samples, stats = load_run_samples(compose_config(overrides))
+    job = resolve(compose_config(overrides), Topology(1, 1), torch.device("cpu"))   # as a target rank loads them
+    samples, stats = load_run_samples(job.data_sources(), job.data, load_tokenizer(job.tokenizer_dir))
     assert len(samples) == stats["kept"] == 30 and stats["dropped_duplicate"] == 4

@@ -1,9 +1,15 @@
+from dataclasses import fields, replace
+
 import pytest
 import torch
 from transformers import Qwen3_5TextConfig, Qwen3Config
 
+from dflash_core.loss.objective import default_gamma
+from dflash_core.loss.settings import StepSettings
 from launcher.config import ConfigError, compose_config
-from launcher.resolve import compile_plan
+from launcher.config.schema import DrafterSettings, FaultSettings, OptimSettings
+from launcher.distributed.topology import Topology
+from launcher.resolve import compile_plan, resolve, step_settings
 
 
 @pytest.mark.parametrize("overrides,backend,compiled,warm_up", [
@@ -33,3 +39,23 @@ def test_when_the_target_compiles(overrides, device, family_config, compiled):
 def test_a_compiled_recurrent_target_is_refused():
     with pytest.raises(ConfigError, match="target.compile=True: not for the qwen3_5"):
         compile_plan(compose_config(["target.compile=true"]), "flex", torch.device("cpu"), Qwen3_5TextConfig())
+
+
+def test_the_step_settings_carry_the_config_keys_names_and_resolved_values(tiny_target_dir):
+    """One name per setting from the config to the objective: every StepSettings field but the resolved
+    compilation is a drafter.* key; the job hands the roles each section as the schema's dataclass."""
+    cfg = compose_config([f"target.path={tiny_target_dir}", "target.build_tiny=false", "drafter=tiny",
+                          "drafter.loss=dpace", "drafter.dpace_alpha=0.25"])
+    job = resolve(cfg, Topology(1, 1), torch.device("cpu"))
+    assert {f.name for f in fields(StepSettings)} - {"compiled"} <= {f.name for f in fields(DrafterSettings)}
+    assert (job.step.loss, job.step.dpace_alpha, job.step.backend) == ("dpace", 0.25, "sdpa")
+    assert job.step.gamma == default_gamma(cfg.drafter.block_size)   # drafter.gamma=null: the block size's default
+    assert isinstance(job.fault, FaultSettings) and isinstance(job.optim, OptimSettings)
+
+
+def test_step_settings_refuse_an_unresolved_backend_and_an_unknown_loss():
+    settings = step_settings(DrafterSettings(), "sdpa", compiled=False)
+    with pytest.raises(ValueError, match="backend='auto': expected a resolved backend"):
+        replace(settings, backend="auto")
+    with pytest.raises(ValueError, match="loss='focal'"):
+        replace(settings, loss="focal")

@@ -288,7 +288,7 @@ def test_on_cuda_bf16_copies_train_as_the_fp32_drafter_under_autocast(world_of_o
     from dflash_core.drafter.model import DFlashDrafter
     from dflash_core.loss.frozen_head import FrozenTargetHead
     from dflash_core.loss.objective import drafter_step
-    from tests.drafters import drafter_config
+    from tests.drafters import drafter_config, step_settings
 
     cfg = drafter_config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                          intermediate_size=512, vocab_size=1000, block_size=8, mask_token_id=999)
@@ -311,8 +311,8 @@ def test_on_cuda_bf16_copies_train_as_the_fp32_drafter_under_autocast(world_of_o
                 if model is ours:
                     optimizer.begin_backward(first=True, last=True)
                 with torch.autocast("cuda", dtype=torch.bfloat16):
-                    out = drafter_step(model, head, ids, torch.ones_like(ids), hidden, fixed_anchors=(anchors, keep),
-                                       backend="flex")
+                    out = drafter_step(model, head, ids, torch.ones_like(ids), hidden,
+                                       step_settings(model, backend="flex"), fixed_anchors=(anchors, keep))
                 out.loss_sum.backward()
                 if model is ours:
                     optimizer.end_backward()

@@ -29,18 +29,16 @@ def _worker(out_dir: str) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
-    from transformers import Qwen3Config
 
     from dflash_core.target.capture import random_target
-    from launcher.bench.counts import QWEN3_8B_SHAPE
+    from dflash_core.target.shapes import config_from_shape
     from launcher.distributed.tensor_parallel import shard_target
 
     rank = int(__import__("os").environ["RANK"])
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", timeout=timedelta(seconds=300), device_id=device)
-    fields = dict(QWEN3_8B_SHAPE)
-    config = Qwen3Config(rope_parameters={"rope_type": "default", "rope_theta": fields.pop("rope_theta")}, **fields)
+    config = config_from_shape("qwen3-8b")
     ids = torch.randint(0, 100_000, (1, SEQ), generator=torch.Generator().manual_seed(0)).to(device)
     reference = None
     if rank == 0:   # the unsharded unit, the same seed

@@ -89,7 +89,7 @@ def test_books_stop_after_max_bad_steps(tmp_path, caplog):
         def result(self):
             return self.value
 
-    ctx = SimpleNamespace(run_dir=tmp_path, rank=3, cfg=SimpleNamespace(run=SimpleNamespace(max_bad_steps=2)))
+    ctx = SimpleNamespace(run_dir=tmp_path, rank=3, job=SimpleNamespace(run=SimpleNamespace(max_bad_steps=2)))
     books = _Books(ctx, sink=None)
     caplog.set_level(logging.WARNING, logger="dflash")
     for step, skipped in enumerate([True, False, True]):

@@ -12,10 +12,11 @@ gathers and comparisons (tests hold the two equal), and every backend uses it:
     [Q, KV] mask); tiles the intervals only partly cover apply the mask_mod. Inductor's Triton
     kernels run it;
   - "flash": the same flex_attention call and BlockMask run by flash-attn-4's CuTe kernels
-    (flex's FLASH backend: FA3-class on Hopper, 1.6x the Triton kernels on this mask,
-    docs/perf_notes.md). Needs the `flash` extra and a GPU of compute capability 9.0 or newer.
-    Chosen explicitly, never by auto: it pays at production shapes (-5% per step at the Qwen3-8B
-    shape) but compiles its kernels ~2x longer cold, and at toy shapes its step is slower;
+    (flex's FLASH backend: FA3-class on Hopper, faster than the Triton kernels on this mask).
+    Needs the `flash` extra and a GPU of compute capability 9.0 or newer. Chosen explicitly,
+    never by auto: it pays at production shapes but compiles its kernels longer cold, and at toy
+    shapes its step is slower (docs/perf_notes.md, "Where the flash step stands, and why auto
+    keeps flex");
   - "sdpa": dense reference that evaluates the mask_mod on broadcast index grids and calls
     F.scaled_dot_product_attention (CPU training, tests).
 
@@ -33,8 +34,9 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from .compile import compiled_function
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
-BACKENDS = ("auto", "flex", "flash", "sdpa")
 FLEX_BACKENDS = ("flex", "flash")  # the flex_attention call with a BlockMask, by its kernels
+RESOLVED_BACKENDS = (*FLEX_BACKENDS, "sdpa")  # what resolve_backend answers: the kernels a forward runs
+BACKENDS = ("auto", *RESOLVED_BACKENDS)
 TILE = 128  # flex_attention's default sparse block (tile) size, on both axes
 _PADDED_ROWS = 256  # query rows of the largest kernel tile (FLASH: 2 x 128 on Hopper)
 

@@ -32,9 +32,10 @@ class CompiledFunction:
 
     def __call__(self, *args, **kwargs):
         if self._compiled is None:
-            # Wrapped on first use: torch.compile imports inductor (~0.7 s), which a process that
-            # never compiles (a CPU target, a drafter without a static shape) need not pay. The lock
-            # keeps it one wrapper when threads (the bench's thread baseline) call it first together.
+            # Wrapped on first use: torch.compile imports inductor (docs/perf_notes.md, "Figures the code
+            # quoted"), which a process that never compiles (a CPU target, a drafter without a static
+            # shape) need not pay. The lock keeps it one wrapper when threads (the bench's thread
+            # baseline) call it first together.
             with _WRAPPING:
                 if self._compiled is None:
                     self._compiled = torch.compile(self._fn, dynamic=False)

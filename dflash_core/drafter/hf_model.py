@@ -12,6 +12,7 @@ from dataclasses import fields
 
 from transformers import PreTrainedModel, Qwen3Config
 
+from .attention import resolve_backend
 from .model import DFlashDrafter, DrafterConfig
 
 
@@ -52,4 +53,5 @@ class DFlashDraftModel(PreTrainedModel):
         dflash_config.target_layer_ids, concatenated), block_embeds [B, N*Bs, H] (the target's
         embeddings of each block: anchor token then mask tokens), anchors/keep [B, N]
         -> final-normed block hidden states [B, N*Bs, H]; the target's LM head gives the logits."""
-        return self.drafter(context_features, block_embeds, anchors, keep, backend=backend)
+        return self.drafter(context_features, block_embeds, anchors, keep,
+                            backend=resolve_backend(backend, anchors.device))

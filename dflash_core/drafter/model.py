@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import LAYER_TYPES, attend, build_attention_mask, resolve_backend
+from .attention import LAYER_TYPES, RESOLVED_BACKENDS, attend, build_attention_mask
 from .compile import compiled_function
 
 
@@ -203,9 +203,9 @@ def _normed(norm, x):
     return norm(x)
 
 
-# The context's norm and the final one, outside the layers: eager, each is ~6 passes over fp32 copies of
-# [rows, H] forward and ~12 backward (2.3 ms of an 8B-shaped step on H200); compiled, one read and one
-# write each way. One graph per shape (context rows, block rows).
+# The context's norm and the final one, outside the layers: eager, each makes several passes over fp32
+# copies of [rows, H] each way; compiled, one read and one write (what it saves: docs/perf_notes.md,
+# the step-time pass that compiled the norms). One graph per shape (context rows, block rows).
 _compiled_normed = compiled_function("rms_norm", _normed)
 
 
@@ -245,18 +245,20 @@ class DFlashDrafter(nn.Module):
         """Target features [B, S, L*H] -> the drafter's context states [B, S, H]."""
         return (_compiled_normed if compiled else _normed)(self.hidden_norm, self.fc(context_features))
 
-    def forward(self, context_features, block_embeds, anchors, keep, *, position_ids=None, backend="auto",
-                compiled=False):
+    def forward(self, context_features, block_embeds, anchors, keep, *, backend, position_ids=None, compiled=False):
         """context_features [B, S, L*H], block_embeds [B, N*Bs, H], anchors/keep [B, N]
         -> final-normed block hidden states [B, N*Bs, H]. position_ids [B, S]: the row's
         positions, restarting at 0 at every document start (None: 0..S-1, one document per row);
         context key kv sits at position_ids[kv] and block slot k at position_ids[a] + k, and a
         block sees only its own document, so a packed document is drafted exactly as if alone.
-        compiled: run each layer through its torch.compile'd graph (static shapes: one
-        compilation per process, packed or not)."""
+        backend: flex | flash | sdpa, resolved by the caller (attention.resolve_backend: a training run
+        resolves drafter.backend once per process). compiled: run each layer through its torch.compile'd
+        graph (static shapes: one compilation per process, packed or not)."""
+        if backend not in RESOLVED_BACKENDS:
+            raise ValueError(f"backend={backend!r}: expected one of {RESOLVED_BACKENDS} "
+                             f"(attention.resolve_backend resolves 'auto' for a device)")
         cfg = self.config
         batch, context_len, _ = context_features.shape
-        backend = resolve_backend(backend, anchors.device)
         if not torch.is_autocast_enabled(context_features.device.type):
             # Without autocast, compute in the parameter dtype (features arrive in bf16).
             context_features = context_features.to(self.fc.weight.dtype)

@@ -1,11 +1,11 @@
 """AdamW in one pass over each stretch of weights, with the step's gradient multiplier and skip flag,
 and the weights' compute copy written in the same pass.
 
-torch's fused AdamW (`_fused_adamw_`) moves 1.05 B fp32 parameters with their gradients and
-moments at ~2.9 TB/s on an H200 (60% of HBM bandwidth), and with `grad_scale` it also writes the
-unscaled gradient back: 9.96 ms per drafter step where the traffic floor is 6.1 ms
-(docs/perf_notes.md). This kernel reads master weight, gradient and both moments once and writes
-master and moments once, applying the multiplier in registers: 7.27 ms, within 2.2e-8 of torch.
+torch's fused AdamW (`_fused_adamw_`) moves the fp32 parameters with their gradients and moments
+short of HBM bandwidth, and with `grad_scale` it also writes the unscaled gradient back. This
+kernel reads master weight, gradient and both moments once and writes master and moments once,
+applying the multiplier in registers (how close each comes to the traffic floor, and how close
+this one stays to torch's values: docs/perf_notes.md, "Step time, fourth pass").
 Given a compute copy (the bf16 weight the model computes with) it also writes the updated master
 rounded to the copy's dtype (round to nearest even, as `Tensor.to` rounds): 2 bytes more per weight,
 where casting the fp32 weights before each forward GEMM moved 6.
@@ -14,9 +14,9 @@ Same arithmetic as torch's AdamW (decoupled weight decay, bias-corrected moments
 lerp). Off CUDA, torch's own fused step runs instead, so a CPU run computes torch's AdamW exactly.
 
 The gradient norm that decides the clip multiplier is here too (`sum_of_squares`): torch's
-`_foreach_norm` with an fp32 result for bf16 gradients takes its per-tensor path (0.86 ms per 8B-shaped
-step on H200, 2.4 TB/s); one Triton pass per tensor into fixed partial sums reads them at HBM speed,
-and sums them in one fixed order, so a step's norm is the same bits every run."""
+`_foreach_norm` with an fp32 result for bf16 gradients takes its per-tensor path; one Triton pass
+per tensor into fixed partial sums reads them at HBM speed (docs/perf_notes.md, "Step time, sixth
+pass"), and sums them in one fixed order, so a step's norm is the same bits every run."""
 
 import functools
 import math
@@ -115,9 +115,9 @@ def adamw_(masters, grads, exp_avgs, exp_avg_sqs, step, *, lr: float, beta1: flo
 
 
 # Elements per program of the sum of squares, per iteration of its loop, and warps per program. Each
-# tensor is its own launch, so a program's share must be small enough for the smallest to fill the GPU:
-# with 64 K elements per program a [4096, 4096] gradient ran 256 programs and the pass 1.28 TB/s
-# (scripts/adamw_bench.py, norm_* rows). 1 MB of partial sums for the drafter's 1.05 B gradients.
+# tensor is its own launch, so a program's share must be small enough for the smallest to fill the GPU
+# (64 K elements per program left a [4096, 4096] gradient 256 programs, far below HBM speed: docs/perf_notes.md,
+# "Step time, sixth pass", and scripts/adamw_bench.py's norm_* rows). One fp32 partial sum per program.
 SQUARES_CHUNK, SQUARES_BLOCK, SQUARES_WARPS = 4096, 4096, 4
 
 

@@ -5,12 +5,13 @@ by the weight sum of the whole global batch (all drafter ranks, all accumulation
 the result does not depend on how the batch was split.
 """
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
 from .anchors import all_valid_anchors, sample_anchors
-from .head_loss import LOSS_TYPES, head_loss
+from .head_loss import head_loss
+from .settings import StepSettings
 
 # Decay constants of the DFlash recipe, indexed by block size.
 _KNOWN_GAMMAS = {8: 4.0, 10: 5.0, 16: 7.0}
@@ -125,35 +126,31 @@ def block_labels(input_ids, loss_mask, anchors, keep, block_size, position_ids=N
     return labels, weights.float()
 
 
-def _run_blocks(drafter, head, input_ids, loss_mask, position_ids, features, anchors, keep, *,
-                loss_type, gamma, alpha, backend, chunk_blocks, compiled):
-    """Drafter forward on the given blocks, then the loss in chunks of `chunk_blocks` blocks
+def _run_blocks(drafter, head, input_ids, loss_mask, position_ids, features, anchors, keep, settings: StepSettings):
+    """Drafter forward on the given blocks, then the loss in chunks of `settings.chunk_blocks` blocks
     (head_loss.head_loss), so the [N*Bs, V] logits never exist at once."""
     cfg = drafter.config
     block_ids = block_input_ids(input_ids, anchors, cfg.block_size, cfg.mask_token_id)
-    h = drafter(features, head.embed(block_ids), anchors, keep, position_ids=position_ids, backend=backend,
-                compiled=compiled)
+    h = drafter(features, head.embed(block_ids), anchors, keep, position_ids=position_ids, backend=settings.backend,
+                compiled=settings.compiled)
     h = h.view(*anchors.shape, cfg.block_size, -1)
     labels, weights = block_labels(input_ids, loss_mask, anchors, keep, cfg.block_size, position_ids)
-    gamma = default_gamma(cfg.block_size) if gamma is None else gamma
-    loss_sum, weight_sum, correct = head_loss(h, head, labels, weights, loss_type=loss_type, gamma=gamma, alpha=alpha,
-                                              chunk_blocks=chunk_blocks, compiled=compiled)
+    loss_sum, weight_sum, correct = head_loss(h, head, labels, weights, loss_type=settings.loss, gamma=settings.gamma,
+                                              alpha=settings.dpace_alpha, chunk_blocks=settings.chunk_blocks,
+                                              compiled=settings.compiled)
     return loss_sum, weight_sum, correct, weights
 
 
 def _counts(loss_sum, weight_sum, correct, weights, keep):
-    """StepCounts of one forward's blocks (tokens left 0: the caller knows the padding)."""
+    """StepCounts of one forward's blocks (tokens left 0: the caller knows the padding), and each
+    block's accepted slots ([B, N]: leading correct slots after slot 0, greedy verification)."""
     supervised = weights > 0
     hit = correct & supervised
-    accepted = _accepted(hit)
+    accepted = torch.cumprod(hit[..., 1:].long(), dim=-1).sum(dim=-1)
     scalars = [loss_sum, weight_sum, ((1 + accepted) * keep).sum(), keep.sum(), keep.numel(), 0, 0, 0]
-    return StepCounts(*[_scalar(x, keep.device) for x in scalars], hit.sum(dim=(0, 1)).double(),
-                      supervised.sum(dim=(0, 1)).double())
-
-
-def _accepted(hit):
-    """[..., Bs] supervised hits -> [...] leading correct slots after slot 0 (greedy verification)."""
-    return torch.cumprod(hit[..., 1:].long(), dim=-1).sum(dim=-1)
+    counts = StepCounts(*[_scalar(x, keep.device) for x in scalars], hit.sum(dim=(0, 1)).double(),
+                        supervised.sum(dim=(0, 1)).double())
+    return counts, accepted
 
 
 def _scalar(value, device) -> torch.Tensor:
@@ -164,40 +161,44 @@ def _scalar(value, device) -> torch.Tensor:
     return torch.full((), value, dtype=torch.float64, device=device)
 
 
-def drafter_step(drafter, head, input_ids, loss_mask, hidden, *, position_ids=None, num_anchors=512,
-                 generator=None, loss_type="dflash", gamma=None, alpha=0.5, backend="auto", chunk_blocks=32,
-                 feature_noise_std=0.0, fixed_anchors=None, compiled=False) -> StepOutput:
+def drafter_step(drafter, head, input_ids, loss_mask, hidden, settings: StepSettings, *, position_ids=None,
+                 generator=None, fixed_anchors=None) -> StepOutput:
     """Forward + loss for one micro-batch. input_ids/loss_mask [B, S], hidden [B, S, L*H].
     position_ids [B, S]: restart at 0 at every document start of a packed row (None: one
     document per row); no anchor, label, context key or rotary position crosses a document,
-    and the row's num_anchors slots are shared by its documents.
-    gamma None -> default_gamma(block_size). fixed_anchors: optional (anchors, keep) used
-    instead of sampling. Feature noise draws from the global RNG of hidden's device.
-    compiled: the drafter's layers and the head-loss terms run through torch.compile (on CUDA the
-    head-loss terms of a training step run through the Triton kernels of kernels/head_loss.py)."""
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
+    and the row's settings.num_anchors slots are shared by its documents.
+    fixed_anchors: optional (anchors, keep) used instead of sampling. Feature noise draws from
+    the global RNG of hidden's device. settings.compiled: the drafter's layers and the head-loss
+    terms run through torch.compile (on CUDA the head-loss terms of a training step run through
+    the Triton kernels of kernels/head_loss.py)."""
     if fixed_anchors is None:
-        anchors, keep = sample_anchors(loss_mask, num_anchors, generator, position_ids)
+        anchors, keep = sample_anchors(loss_mask, settings.num_anchors, generator, position_ids)
     else:
         anchors, keep = fixed_anchors
     features = hidden
-    if feature_noise_std > 0:
-        features = hidden + feature_noise_std * torch.randn_like(hidden)
-    loss_sum, weight_sum, correct, weights = _run_blocks(
-        drafter, head, input_ids, loss_mask, position_ids, features, anchors, keep, loss_type=loss_type,
-        gamma=gamma, alpha=alpha, backend=backend, chunk_blocks=chunk_blocks, compiled=compiled)
-    return StepOutput(loss_sum, _counts(loss_sum, weight_sum, correct, weights, keep))
+    if settings.feature_noise_std > 0:
+        features = hidden + settings.feature_noise_std * torch.randn_like(hidden)
+    loss_sum, weight_sum, correct, weights = _run_blocks(drafter, head, input_ids, loss_mask, position_ids, features,
+                                                         anchors, keep, settings)
+    return StepOutput(loss_sum, _counts(loss_sum, weight_sum, correct, weights, keep)[0])
+
+
+def held_out_settings(settings: StepSettings, block_size: int) -> StepSettings:
+    """The settings evaluate_tau scores with: the step's forward (backend, compilation, anchors per
+    forward, chunks), the dflash weighting at the block size's default gamma whatever the training
+    loss (held-out losses compare across runs). evaluate_tau adds no feature noise."""
+    return replace(settings, loss="dflash", gamma=default_gamma(block_size), dpace_alpha=0.0)
 
 
 @torch.no_grad()
-def evaluate_tau(drafter, head, input_ids, loss_mask, hidden, *, position_ids=None, backend="auto",
-                 num_anchors=512, chunk_blocks=32, compiled=False) -> StepCounts:
-    """Simulated acceptance with an anchor at every valid position, `num_anchors` blocks per
-    forward (use the training count to reuse the compiled shapes), dflash-weighted loss, and the
+def evaluate_tau(drafter, head, input_ids, loss_mask, hidden, settings: StepSettings, *,
+                 position_ids=None) -> StepCounts:
+    """Simulated acceptance with an anchor at every valid position, `settings.num_anchors` blocks per
+    forward (the training count reuses the compiled shapes), scored with held_out_settings, and the
     decoding walk over those anchors' acceptance (walk_tokens, walk_steps).
     Held-out rows are normally unpacked (position_ids None); packed rows give the same sums.
     Returns the counts (`.summary()` gives tau, decode_tau, acc, eal, loss) for cross-rank sums."""
+    num_anchors, scoring = settings.num_anchors, held_out_settings(settings, drafter.config.block_size)
     anchors, keep = all_valid_anchors(loss_mask, multiple_of=num_anchors, position_ids=position_ids)
     totals = StepCounts.zeros(drafter.config.block_size, input_ids.device)
     accepted = []
@@ -209,11 +210,10 @@ def evaluate_tau(drafter, head, input_ids, loss_mask, hidden, *, position_ids=No
         chunk_anchors, chunk_keep = (t[:, part].clone(memory_format=torch.contiguous_format)
                                      for t in (anchors, keep))
         loss_sum, weight_sum, correct, weights = _run_blocks(
-            drafter, head, input_ids, loss_mask, position_ids, hidden, chunk_anchors, chunk_keep,
-            loss_type="dflash", gamma=None, alpha=0.0, backend=backend, chunk_blocks=chunk_blocks,
-            compiled=compiled)
-        totals = totals + _counts(loss_sum, weight_sum, correct, weights, chunk_keep)
-        accepted.append(_accepted(correct & (weights > 0)))
+            drafter, head, input_ids, loss_mask, position_ids, hidden, chunk_anchors, chunk_keep, scoring)
+        counts, chunk_accepted = _counts(loss_sum, weight_sum, correct, weights, chunk_keep)
+        totals = totals + counts
+        accepted.append(chunk_accepted)
     tokens, steps = decoding_walk(anchors, keep, torch.cat(accepted, dim=1), loss_mask, position_ids)
     totals.walk_tokens, totals.walk_steps = (_scalar(float(x), input_ids.device) for x in (tokens, steps))
     return totals

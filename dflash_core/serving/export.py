@@ -201,8 +201,8 @@ def _check_keys(found, expected, where):
 
 def load_exported(path, *, device=None, dtype=torch.float32):
     """Load an exported drafter; any missing or unexpected tensor name is an error."""
-    # Imported here: hf_model pulls in transformers' modeling code (~0.5 s), which a process that
-    # only writes exports (every training drafter) never needs.
+    # Imported here: hf_model pulls in transformers' modeling code (docs/perf_notes.md, "Figures the
+    # code quoted"), which a process that only writes exports (every training drafter) never needs.
     path = Path(path)
     cfg = read_exported_config(path)
     state = load_safetensors(path / WEIGHTS_NAME)

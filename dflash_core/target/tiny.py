@@ -56,7 +56,8 @@ TINY_SHAPES = {
 }
 MODEL_SHAPE = {key: value for key, value in TINY_SHAPES["qwen3"].items() if key != "model_type"}
 DEFAULT_FAMILY = "qwen3"
-PRETRAIN_STEPS = 300  # ~25 s on 2 CPU cores; enough for the tiny target to follow its chats
+# Enough for the tiny target to follow its chats (how long they take: docs/perf_notes.md, "Figures the code quoted").
+PRETRAIN_STEPS = 300
 PRETRAIN_THREADS = 2
 BUILD_MARKER = "tiny_build.json"  # written last: its presence means the directory is complete
 

@@ -1,28 +1,16 @@
 """GPU benchmark harness: `python -m launcher.bench` (or `make bench ARGS=...`).
 
-Rows, all measured in one run (random weights at the real shapes; speed does not depend on them):
-  1. matmul ceiling     bf16 8192^3 (CPU: fp32 1024^3), back-to-back products between device
-                        synchronisations, checked against the device's plausible peak (ceiling.py):
-                        the MFU denominator, or none (MFU '-') when it is implausible
-  Full rows (every token real and supervised), per sequence length:
-  2. target alone       the frozen target's capture() on one GPU, with its family's kernel notes
-  3. drafter alone      the real step (DrafterTrainer.train_step) fed from memory
-  4. end to end         the real launcher under torchrun, t1d<G-1>, from its summary.json
-  5. balance            the T:D split that keeps both stages busy (this node and 8 GPUs)
-  6. thread baseline    the old one-process, thread-per-drafter design (thread_baseline.py)
-  Length-mix rows (mix.py: --lengths FILE or the built-in mix), padded and packed, at --mix-seq:
-  7. target alone       the same capture on the mix's real micro-batches: real tokens/s, padding
-  8. drafter alone      supervised blocks/s (valid anchors per second), anchor_fill, compiles
-  9. end to end         the launcher on a conversation file realising the mix (its own tokenisation
-                        and packing): blocks/s per drafter GPU, real target tokens/s per GPU,
-                        anchor_fill, padding, compiles, pipeline efficiency against rows 7 and 8
-  10. balance           the split advice from rows 7 and 8
+Every row of launcher/bench/report.py's `Row`, measured in one run (random weights at the real
+shapes; speed does not depend on them): the matmul ceiling; per sequence length the full rows
+(every token real and supervised): target alone, drafter alone, end to end, their balance and the
+old design's thread baseline; at --mix-seq the length-mix rows (mix.py: --lengths FILE or the
+built-in mix), padded and packed: target alone, drafter alone, end to end, their balance.
 
-Default: the Qwen3-8B shape (--shape: qwen3-27b, qwen3.5-35b-a3b, llama3-8b too), drafter=dflash5
-(5 layers, block 16, the spec's layer ids), 512 anchors, micro-batch 1, S = 2048 and 4096.
-`--tiny` (automatic without CUDA): the tiny target's shapes and drafter=tiny, small S.
-Prints progress as it goes and one table last; writes the same as JSON (--out, default
-$OUT/bench.json or runs/bench-<time>.json).
+Default: the Qwen3-8B shape (--shape: dflash_core/target/shapes.py), drafter=dflash5 (5 layers,
+block 16, the spec's layer ids), 512 anchors, micro-batch 1, S = 2048 and 4096. `--tiny`
+(automatic without CUDA): the tiny target's shapes and drafter=tiny, small S. Options:
+launcher/bench/options.py. Prints progress as it goes and one table last; writes the same as JSON
+(--out, default $OUT/bench.json or runs/bench-<time>.json).
 """
 from __future__ import annotations
 
@@ -35,15 +23,18 @@ import shutil
 import sys
 import tempfile
 import time
+from functools import cached_property, partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from dflash_core.target.shapes import SHAPES
 from launcher.bench.ceiling import matmul_ceiling, plausible_peak, usable_ceiling
-from launcher.bench.counts import MASK_TOKEN_IDS, SHAPES
 from launcher.bench.inputs import run_overrides, write_bench_target, write_mix_conversations, write_synthetic_data
-from launcher.bench.mix import MODES, REFERENCE_LENGTH, builtin_mix, mix_batches, mix_from_file, synthesize_samples
-from launcher.bench.report import format_table
+from launcher.bench.mix import REFERENCE_LENGTH, builtin_mix, mix_batches, mix_from_file, synthesize_samples
+from launcher.bench.options import answer_flags, parse_args
+from launcher.bench.report import Row, format_table
 from launcher.bench.rows import balance_rows, baseline_row, e2e_row, load_stage_rates, measured, stage_rates
 from launcher.bench.stages import (
     REPO,
@@ -57,82 +48,136 @@ from launcher.bench.stages import (
     target_stage,
 )
 
-GPU_DEFAULTS = dict(seq="2048,4096", steps=10, warmup=3, e2e_steps=40, baseline_steps=20, anchors=512,
-                    e2e_timeout=240, baseline_timeout=200, mix_samples=2000)
-TINY_DEFAULTS = dict(seq="64,128", steps=4, warmup=2, e2e_steps=8, baseline_steps=4, anchors=32,
-                     e2e_timeout=150, baseline_timeout=120, mix_samples=160)
+if TYPE_CHECKING:
+    from launcher.distributed.topology import Topology
+    from launcher.job import Job
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m launcher.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--tiny", action="store_true", help="tiny shapes (automatic when CUDA is unavailable)")
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b", help="target shape on GPUs")
-    p.add_argument("--e2e-topology", help="t<T>d<D> of the end-to-end runs (default t1d<G-1> on G GPUs)")
-    p.add_argument("--seq", help="comma-separated sequence lengths of the full rows (default 2048,4096; tiny 64,128)")
-    p.add_argument("--steps", type=int, help="timed steps per stage measurement (default 10; tiny 4)")
-    p.add_argument("--warmup", type=int, help="untimed steps first (compiles happen here; default 3)")
-    p.add_argument("--anchors", type=int, help="anchors per row (default 512; tiny 32)")
-    p.add_argument("--e2e-steps", type=int, help="optimiser steps of each end-to-end run (default 40)")
-    p.add_argument("--e2e-seq", type=int, help="sequence length of the full-row end-to-end run (default: the longest)")
-    mix = p.add_argument_group("length-mix rows (7-10)")
-    mix.add_argument("--lengths", metavar="FILE", help="take prompt and answer lengths from this dataset, rendered "
-                                                       "and tokenised as training does with the bench target's "
-                                                       "tokenizer (--tokenizer); default: the built-in mix")
-    mix.add_argument("--mix-samples", type=int, help="conversations drawn from the mix (default 2000; tiny 160)")
-    mix.add_argument("--mix-seq", type=int, help="row length of the mix rows (default: the longest --seq)")
-    mix.add_argument("--modes", default=",".join(MODES), help="comma-separated: padded, packed (default both)")
-    mix.add_argument("--mix-only", action="store_true", help="only the ceiling and the length-mix rows")
-    mix.add_argument("--no-mix", action="store_true", help="no length-mix rows")
-    mix.add_argument("--stage-rates", metavar="JSON", help="stage rates of an earlier bench JSON, for end-to-end "
-                                                           "rows run without their stage rows (pipeline efficiency)")
-    p.add_argument("--peak-tflops", type=float, help="plausible peak of the ceiling check (default: the device's "
-                                                     "spec-sheet bf16 rate; none known on CPU: unchecked)")
-    p.add_argument("--baseline-steps", type=int, help="micro-batches per drafter thread (default 20)")
-    p.add_argument("--baseline-backend", choices=("auto", "flex", "sdpa"), default="auto",
-                   help="attention backend of the thread baseline (auto: flex on GPU, sdpa on CPU)")
-    p.add_argument("--fx-noise", action="store_true",
-                   help="thread baseline: add a thread running torch.fx.symbolic_trace in a loop")
-    p.add_argument("--baseline-cold-cache", action="store_true",
-                   help="thread baseline compiles from an empty inductor cache (default: reuse the bench's)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
-                   help="hydra override for the drafter-alone and end-to-end rows (repeatable), "
-                        "e.g. --set drafter.compile=false")
-    p.add_argument("--profile", action="store_true",
-                   help="profile two drafter steps (the longest full row, else the last mix mode): kernel table, "
-                        "time per kernel category, compile times, and a Chrome trace beside --out (.trace.json.gz)")
-    p.add_argument("--skip-target", action="store_true")
-    p.add_argument("--skip-drafter", action="store_true")
-    p.add_argument("--skip-e2e", action="store_true")
-    p.add_argument("--skip-baseline", action="store_true")
-    p.add_argument("--skip-full-forward", action="store_true", help="target rows: no untruncated-model comparison")
-    p.add_argument("--e2e-timeout", type=float)
-    p.add_argument("--baseline-timeout", type=float)
-    p.add_argument("--out", help="JSON output path")
-    p.add_argument("--work-dir", help="scratch dir (bench target, data, runs, compile cache); kept when given")
-    p.add_argument("--tokenizer", help="dir of the tokenizer to copy (default: build/reuse .cache/tiny-qwen3)")
-    args = p.parse_args(argv)
-    args.tiny = args.tiny or not torch.cuda.is_available()
-    for key, value in (TINY_DEFAULTS if args.tiny else GPU_DEFAULTS).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    args.seqs = [int(s) for s in str(args.seq).split(",") if s]
-    args.e2e_seq = args.e2e_seq or max(args.seqs)
-    args.mix_seq = args.mix_seq or max(args.seqs)
-    args.modes = [m for m in args.modes.split(",") if m]
-    bad = [m for m in args.modes if m not in MODES]
-    if bad or not args.modes:
-        p.error(f"--modes {','.join(args.modes)!r}: choose from {', '.join(MODES)}")
-    if args.mix_only and args.no_mix:
-        p.error("--mix-only and --no-mix exclude each other")
-    return args
+def run(args) -> dict:
+    """Every row, in table order but for the balance rows (they need both stages' rates) and the
+    thread baseline (it compares itself with the full-row end-to-end row)."""
+    bench = _set_up(args)
+    job = _drafter_job(bench)
+    meta = _meta(bench, job)
+    ceiling = _measure_ceiling(bench)
+    full, mixes, mix_info = _workloads(bench, job)
+    if mix_info:
+        meta["mix"] = mix_info
+    rates = _measure_stages(bench, job, full, mixes, ceiling)
+    full_e2e = None if args.mix_only else _measure_e2e(bench, "full", rates)
+    bench.rows += _balance_rows(bench, rates)
+    if not args.mix_only:
+        _measure_baseline(bench, job, full_e2e)
+    for mode in [] if args.no_mix else args.modes:
+        _measure_e2e(bench, mode, rates)
+    if not args.work_dir:
+        shutil.rmtree(bench.work, ignore_errors=True)
+    return {"meta": meta, "rows": sorted(bench.rows, key=lambda r: r["n"])}
 
 
-def default_out() -> Path:
-    if os.environ.get("OUT"):
-        return Path(os.environ["OUT"]) / "bench.json"
-    return REPO / "runs" / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
+@dataclasses.dataclass
+class Bench:
+    """What every row of one run shares: the options, the device, the scratch dir, the bench target
+    with the full rows' data, and the rows so far."""
+    args: argparse.Namespace
+    device: torch.device
+    device_name: str
+    num_gpus: int
+    work: Path
+    target_dir: Path
+    data_path: Path
+    data_info: dict | None
+    rows: list[dict] = dataclasses.field(default_factory=list)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def processes(self) -> int:
+        """Processes of the end-to-end runs: one per GPU, or two on the CPU."""
+        return self.num_gpus if self.cuda else 2
+
+    @property
+    def shape_name(self) -> str:
+        return "tiny" if self.args.tiny else self.args.shape
+
+    @cached_property
+    def e2e_topology(self) -> Topology:
+        from launcher.distributed.topology import parse_topology
+
+        spec, procs = self.args.e2e_topology, self.processes
+        return parse_topology(spec or f"t1d{max(procs - 1, 1)}", None if spec and procs < 2 else max(procs, 2), 1)
+
+    def overrides(self, data_path: Path, seq_len: int, steps: int, *more: str) -> list[str]:
+        """The training overrides of the drafter-alone and end-to-end rows, so both train the same
+        drafter: run_overrides, then `more`, then --set's (which win)."""
+        args = self.args
+        shared = run_overrides(target_dir=self.target_dir, data_path=data_path, seq_len=seq_len, steps=steps,
+                               tiny=args.tiny, anchors=args.anchors, work=self.work,
+                               mask_token_id=SHAPES[args.shape].mask_token_id or "auto")
+        on_cpu = [] if self.cuda else ["run.device=cpu"]   # --tiny on a GPU stays on the CPU
+        return shared + list(more) + on_cpu + list(args.overrides)
+
+    def record(self, n: Row, name: str, measure, *args, skipped: str | None = None) -> dict | None:
+        """Row n, measured by measure(*args) (see rows.measured), kept; None when skipped or failed."""
+        row = measured(self.rows, n, name, measure, *args, skipped=skipped)
+        if row:
+            self.rows.append(row)
+        return row
 
 
+# ------------------------------------------------------------------------------ set-up
+def _set_up(args) -> Bench:
+    """The device, the scratch dir, the bench target (its shape's config, a tokenizer) and the full
+    rows' synthetic data."""
+    cuda = torch.cuda.is_available() and not args.tiny
+    device_name = torch.cuda.get_device_name(0) if cuda else "cpu"
+    num_gpus = torch.cuda.device_count() if cuda else 0
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="dflash-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    progress(f"torch {torch.__version__}, device {device_name}, {num_gpus} GPU(s), "
+             f"{'tiny' if args.tiny else args.shape} shapes, S={args.seqs}, mix S={args.mix_seq}, work dir {work}")
+    tokenizer_src = _tokenizer_source(args)
+    target_dir = write_bench_target(work / "target", _tiny_shape(tokenizer_src) if args.tiny else args.shape,
+                                    tokenizer_src)
+    data_path = work / "data.jsonl"
+    data_info = None if args.mix_only else write_synthetic_data(data_path, target_dir, max(args.seqs + [args.e2e_seq]))
+    return Bench(args, torch.device("cuda", 0) if cuda else torch.device("cpu"), device_name, num_gpus, work,
+                 target_dir, data_path, data_info)
+
+
+def _drafter_job(bench: Bench) -> Job:
+    """The job of the stage rows' one drafter rank, for the longest row of any of them. It compiles
+    into the cache dir of the end-to-end runs' first drafter, on cuda:0 (each launched process sees
+    its own GPU as cuda:0, and inductor's graph keys name the index), so those runs start warm."""
+    from launcher.config import compose_config
+    from launcher.distributed.isolation import isolate
+    from launcher.distributed.topology import Topology
+    from launcher.resolve import resolve
+
+    args = bench.args
+    cfg = compose_config(bench.overrides(bench.data_path, max(args.seqs + [args.mix_seq]), args.warmup + args.steps))
+    isolate("drafter", bench.e2e_topology.num_targets, 1, bench.work / "compile_cache", bench.device,
+            cfg.isolation.recompile_limit, cfg.isolation.compile_threads)
+    # Tiny shapes on cores other jobs share: more threads only spin (docs/perf_notes.md, "Figures the code quoted").
+    if args.tiny:
+        torch.set_num_threads(1)
+    return resolve(cfg, Topology(num_targets=0, num_drafters=1), bench.device)
+
+
+def _meta(bench: Bench, job: Job) -> dict:
+    args, dcfg = bench.args, job.drafter
+    return {"torch": torch.__version__, "device": bench.device_name, "num_gpus": bench.num_gpus, "tiny": args.tiny,
+            "shape_name": bench.shape_name, "seqs": args.seqs, "mix_seq": args.mix_seq, "anchors": args.anchors,
+            "shape": job.target.hf_config.to_dict(),
+            "drafter": {"num_layers": dcfg.num_hidden_layers, "block_size": dcfg.block_size,
+                        "target_layer_ids": dcfg.target_layer_ids, "mask_token_id": dcfg.mask_token_id,
+                        "backend": job.step.backend},
+            "data": bench.data_info, "args": {k: v for k, v in vars(args).items() if k != "seqs"}}
+
+
+# ------------------------------------------------------------------------------ inputs
 def _tokenizer_source(args) -> Path:
     if args.tokenizer:
         return Path(args.tokenizer)
@@ -157,15 +202,13 @@ def _ceiling_peak(args, device_name: str, cuda: bool) -> tuple[float | None, str
     return peak, device_name if peak is not None else f"{device_name}: no plausible peak known (--peak-tflops)"
 
 
-def _prepare_mix(args, job, work: Path):
+def _prepare_mix(args, job: Job, work: Path):
     """The mix rows' lengths: the user's (--lengths) or the built-in mix, cut to --mix-seq, written
     as a conversation file for the end-to-end rows and read back as training reads it; the stage
     rows use that realised mix, so every mix row sees the same lengths."""
-    from omegaconf import OmegaConf
-
     from dflash_core.data import load_tokenizer
 
-    kwargs = OmegaConf.to_container(job.cfg.data.chat_template_kwargs)
+    kwargs = job.data.chat_template_kwargs
     if args.lengths:
         nominal = mix_from_file(args.lengths, load_tokenizer(job.tokenizer_dir), max_length=args.mix_seq,
                                 count=args.mix_samples, chat_template_kwargs=kwargs)
@@ -181,15 +224,16 @@ def _prepare_mix(args, job, work: Path):
     return realised, info
 
 
-def _workloads(args, job, work: Path, meta: dict) -> tuple[list[Workload], list[Workload]]:
-    """(full-row workloads, length-mix workloads) of the stage rows."""
+def _workloads(bench: Bench, job: Job) -> tuple[list[Workload], list[Workload], dict | None]:
+    """(full-row workloads, length-mix workloads, what the mix is) of the stage rows."""
     from dflash_core.data import load_tokenizer
 
+    args = bench.args
     id_limit = min(job.drafter.mask_token_id, 1024)
     full = [] if args.mix_only else [full_row_workload(seq_len, id_limit, args.anchors) for seq_len in args.seqs]
-    mixes = []
+    mixes, mix_info = [], None
     if not args.no_mix:
-        realised, meta["mix"] = _prepare_mix(args, job, work)
+        realised, mix_info = _prepare_mix(args, job, bench.work)
         tokenizer = load_tokenizer(job.tokenizer_dir)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         samples = synthesize_samples(realised, id_limit=id_limit)
@@ -199,136 +243,120 @@ def _workloads(args, job, work: Path, meta: dict) -> tuple[list[Workload], list[
             mixes.append(mix_workload(rows, args.mix_seq))
     if args.profile and (full or mixes):
         (full or mixes)[-1].profile = str(Path(args.out).with_suffix(".trace.json.gz"))
-    return full, mixes
+    return full, mixes, mix_info
 
 
-def _stage_rows(rows: list[dict], n_full: int, n_mix: int, name: str, measure, full, mixes, skipped) -> list[dict]:
-    """Measure one stage over the full-row and mix workloads at once (one model build, one
-    compile); number its rows n_full or n_mix."""
-    measured_rows = measured(rows, n_full if full else n_mix, name, lambda: measure(full + mixes),
+# ------------------------------------------------------------------------------ the rows
+def _measure_ceiling(bench: Bench) -> float | None:
+    """The ceiling row; its MFU denominator, or None when the row is implausible."""
+    progress(f"row {Row.CEILING:d}: matmul ceiling")
+    peak, peak_source = _ceiling_peak(bench.args, bench.device_name, bench.cuda)
+    row = {"n": Row.CEILING, **matmul_ceiling(bench.device, tiny=bench.args.tiny, peak=peak, peak_source=peak_source)}
+    bench.rows.append(row)
+    progress(f"matmul ceiling {row['tflops']:.1f} TFLOP/s: {row['notes']}")
+    return usable_ceiling(row)
+
+
+def _measure_stages(bench: Bench, job: Job, full: list[Workload], mixes: list[Workload], ceiling) -> dict:
+    """The target-alone and drafter-alone rows, full and mix, and the stage rates they give (over
+    --stage-rates' where both have one)."""
+    args, target = bench.args, job.target
+    measure_target = partial(target_stage, target.hf_config, job.drafter.target_layer_ids, bench.device, target.dtype,
+                             warmup=args.warmup, reps=args.steps, ceiling=ceiling,
+                             compiled=job.compile.target_compiled, attention=target.attention,
+                             full_forward=not args.skip_full_forward)
+    target_rows = _stage_rows(bench, (Row.TARGET, Row.MIX_TARGET), "target alone", measure_target, full, mixes,
+                              "skipped (--skip-target)" if args.skip_target else None)
+    _free(bench.device)
+    measure_drafter = partial(drafter_stage, job, work=bench.work, warmup=args.warmup, steps=args.steps,
+                              ceiling=ceiling)
+    drafter_rows = _stage_rows(bench, (Row.DRAFTER, Row.MIX_DRAFTER), "drafter alone", measure_drafter, full, mixes,
+                               "skipped (--skip-drafter)" if args.skip_drafter else None)
+    _free(bench.device)
+    earlier = load_stage_rates(Path(args.stage_rates)) if args.stage_rates else {}
+    return {**earlier, **stage_rates(target_rows + drafter_rows)}
+
+
+def _stage_rows(bench: Bench, numbers: tuple[Row, Row], name: str, measure, full, mixes, skipped) -> list[dict]:
+    """One stage measured over the full-row and mix workloads at once (one model build, one
+    compile); its rows numbered by mode: (full row, mix row) = `numbers`."""
+    full_row, mix_row = numbers
+    measured_rows = measured(bench.rows, full_row if full else mix_row, name, measure, full + mixes,
                              skipped=skipped) or []
-    numbered = [{"n": n_full if r["mode"] == "full" else n_mix, **r} for r in measured_rows]
-    rows += numbered
+    numbered = [{"n": full_row if r["mode"] == "full" else mix_row, **r} for r in measured_rows]
+    bench.rows += numbered
     return numbered
 
 
-def run(args) -> dict:
-    from launcher.config import compose_config
-    from launcher.distributed.isolation import isolate
-    from launcher.distributed.topology import Topology, parse_topology
-    from launcher.resolve import resolve
+def _measure_e2e(bench: Bench, mode: str, rates: dict) -> dict | None:
+    """An end-to-end row: the launcher on the full rows' data (mode "full") or on the mix's
+    conversation file, padded or packed; the stage rates judge its pipeline efficiency."""
+    n, name = (Row.E2E, "end to end, full rows") if mode == "full" else (Row.MIX_E2E, f"end to end, {mode} mix")
+    return bench.record(n, name, _e2e_row, bench, n, mode, rates, skipped=_e2e_skipped(bench))
 
-    cuda = torch.cuda.is_available() and not args.tiny
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    num_gpus = torch.cuda.device_count() if cuda else 0
-    device_name = torch.cuda.get_device_name(0) if cuda else "cpu"
-    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="dflash-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
-    procs = 2 if not cuda else num_gpus
-    e2e_topology = parse_topology(args.e2e_topology or f"t1d{max(procs - 1, 1)}",
-                                  None if args.e2e_topology and procs < 2 else max(procs, 2), 1)
-    shape_name = "tiny" if args.tiny else args.shape
-    progress(f"torch {torch.__version__}, device {device_name}, {num_gpus} GPU(s), {shape_name} shapes, "
-             f"S={args.seqs}, mix S={args.mix_seq}, work dir {work}")
 
-    tokenizer_src = _tokenizer_source(args)
-    target_dir = write_bench_target(work / "target", _tiny_shape(tokenizer_src) if args.tiny else args.shape,
-                                    tokenizer_src)
-    data_path = work / "data.jsonl"
-    data_info = None if args.mix_only else write_synthetic_data(data_path, target_dir, max(args.seqs + [args.e2e_seq]))
-    over = dict(target_dir=target_dir, tiny=args.tiny, anchors=args.anchors, work=work,
-                mask_token_id=MASK_TOKEN_IDS.get(args.shape, "auto"))
-    extra = ([] if cuda else ["run.device=cpu"]) + list(args.overrides)   # --tiny on a GPU stays on the CPU
-    cfg = compose_config(run_overrides(data_path=data_path, seq_len=max(args.seqs + [args.mix_seq]),
-                                       steps=args.warmup + args.steps, **over) + extra)
-    # The drafter stage compiles into the cache dir of the end-to-end runs' first drafter, on cuda:0 (each
-    # launched process sees its own GPU as cuda:0, and inductor's graph keys name the index), so those
-    # runs start warm.
-    first_drafter = e2e_topology.num_targets
-    isolate("drafter", first_drafter, 1, work / "compile_cache", device, cfg.isolation.recompile_limit,
-            cfg.isolation.compile_threads)
-    if args.tiny:   # tiny shapes on cores other jobs share: more threads only spin (50x slower on 2 busy cores)
-        torch.set_num_threads(1)
-    job = resolve(cfg, Topology(num_targets=0, num_drafters=1), device)   # one drafter rank
-    dcfg, hf_config = job.drafter, job.target.hf_config
-    meta = {"torch": torch.__version__, "device": device_name, "num_gpus": num_gpus, "tiny": args.tiny,
-            "shape_name": shape_name, "seqs": args.seqs, "mix_seq": args.mix_seq, "anchors": args.anchors,
-            "shape": hf_config.to_dict(),
-            "drafter": {"num_layers": dcfg.num_hidden_layers, "block_size": dcfg.block_size,
-                        "target_layer_ids": dcfg.target_layer_ids, "mask_token_id": dcfg.mask_token_id,
-                        "backend": job.step.backend},
-            "data": data_info, "args": {k: v for k, v in vars(args).items() if k != "seqs"}}
-    rows: list[dict] = []
-
-    progress("row 1: matmul ceiling")
-    peak, peak_source = _ceiling_peak(args, device_name, cuda)
-    ceiling_row = {"n": 1, **matmul_ceiling(device, tiny=args.tiny, peak=peak, peak_source=peak_source)}
-    rows.append(ceiling_row)
-    ceiling = usable_ceiling(ceiling_row)
-    progress(f"matmul ceiling {ceiling_row['tflops']:.1f} TFLOP/s: {ceiling_row['notes']}")
-
-    full, mixes = _workloads(args, job, work, meta)
-    target_rows = _stage_rows(
-        rows, 2, 7, "target alone",
-        lambda workloads: target_stage(hf_config, dcfg.target_layer_ids, device, job.target.dtype, workloads,
-                                       warmup=args.warmup, reps=args.steps, ceiling=ceiling,
-                                       compiled=job.compile.target_compiled, attention=job.target.attention,
-                                       full_forward=not args.skip_full_forward),
-        full, mixes, "skipped (--skip-target)" if args.skip_target else None)
-    _free(device)
-    drafter_rows = _stage_rows(
-        rows, 3, 8, "drafter alone",
-        lambda workloads: drafter_stage(job, workloads, work=work, warmup=args.warmup, steps=args.steps,
-                                        ceiling=ceiling),
-        full, mixes, "skipped (--skip-drafter)" if args.skip_drafter else None)
-    _free(device)
-    rates = {**(load_stage_rates(Path(args.stage_rates)) if args.stage_rates else {}),
-             **stage_rates(target_rows + drafter_rows)}
-
+def _e2e_skipped(bench: Bench) -> str | None:
     # One GPU runs the end-to-end rows only when asked for (--e2e-topology): its ranks share the GPU over
     # gloo, which says nothing of pipeline efficiency but does time start-up and compiling.
-    e2e_skipped = ("skipped (--skip-e2e)" if args.skip_e2e
-                   else f"skipped: needs >= 2 GPUs, found {num_gpus}" if procs < 2 and not args.e2e_topology
-                   else None)
+    if bench.args.skip_e2e:
+        return "skipped (--skip-e2e)"
+    if bench.processes < 2 and not bench.args.e2e_topology:
+        return f"skipped: needs >= 2 GPUs, found {bench.num_gpus}"
+    return None
 
-    def measure_e2e(mode: str, data: Path, seq_len: int, packing: list[str]):
-        progress(f"end to end, {mode}: {e2e_topology.spec} on {procs} {'GPUs' if cuda else 'CPU processes'}, "
-                 f"S={seq_len}, {args.e2e_steps} steps")
-        summary = e2e_stage(run_overrides(data_path=data, seq_len=seq_len, steps=args.e2e_steps, **over) + packing
-                            + extra, topology=e2e_topology, work=work, tiny=args.tiny, timeout_s=args.e2e_timeout,
-                            name=f"e2e-{mode}")
-        return e2e_row(4 if mode == "full" else 9, summary, seq_len, mode, rates, e2e_topology)
 
-    full_e2e = None
-    if not args.mix_only:
-        full_e2e = measured(rows, 4, "end to end, full rows", lambda: measure_e2e("full", data_path, args.e2e_seq, []),
-                            skipped=e2e_skipped)
-        rows += [full_e2e] if full_e2e else []
-    node_gpus = max(procs, 2)
-    rows += balance_rows(5, {k: v for k, v in rates.items() if k[1] == "full"}, node_gpus, shape_name)
-    rows += balance_rows(10, {k: v for k, v in rates.items() if k[1] != "full"}, node_gpus, shape_name)
-
-    if not args.mix_only:
-        def measure_baseline():
-            progress(f"row 6: thread baseline (old design), S={args.e2e_seq}")
-            result = baseline_stage(_baseline_spec(args, dcfg, target_dir, cfg, num_gpus, cuda), work=work,
-                                    tiny=args.tiny, timeout_s=args.baseline_timeout,
-                                    cache_dir=None if args.baseline_cold_cache else work / "compile_cache" /
-                                    f"drafter{first_drafter}")
-            return baseline_row(result, full_e2e)
-        baseline = measured(rows, 6, "thread baseline", measure_baseline,
-                            skipped="skipped (--skip-baseline)" if args.skip_baseline else None)
-        rows += [baseline] if baseline else []
-
-    for mode in ([] if args.no_mix else args.modes):
+def _e2e_row(bench: Bench, n: Row, mode: str, rates: dict) -> dict:
+    args, topology = bench.args, bench.e2e_topology
+    if mode == "full":
+        data, seq_len, packing = bench.data_path, args.e2e_seq, []
+    else:
         packing = [f"data.packing={str(mode == 'packed').lower()}"]
-        row = measured(rows, 9, f"end to end, {mode} mix",
-                       lambda: measure_e2e(mode, work / "mix.jsonl", args.mix_seq, packing), skipped=e2e_skipped)
-        rows += [row] if row else []
+        data, seq_len = bench.work / "mix.jsonl", args.mix_seq
+    progress(f"end to end, {mode}: {topology.spec} on {bench.processes} {'GPUs' if bench.cuda else 'CPU processes'}, "
+             f"S={seq_len}, {args.e2e_steps} steps")
+    summary = e2e_stage(bench.overrides(data, seq_len, args.e2e_steps, *packing), topology=topology, work=bench.work,
+                        tiny=args.tiny, timeout_s=args.e2e_timeout, name=f"e2e-{mode}")
+    return e2e_row(n, summary, seq_len, mode, rates, topology)
 
-    if not args.work_dir:
-        shutil.rmtree(work, ignore_errors=True)
-    return {"meta": meta, "rows": sorted(rows, key=lambda r: r["n"])}
+
+def _balance_rows(bench: Bench, rates: dict) -> list[dict]:
+    """The split advice of the full rows and of the mix rows, for this node and for 8 GPUs."""
+    node_gpus = max(bench.processes, 2)
+    full = {key: rate for key, rate in rates.items() if key[1] == "full"}
+    mix = {key: rate for key, rate in rates.items() if key[1] != "full"}
+    return (balance_rows(Row.BALANCE, full, node_gpus, bench.shape_name)
+            + balance_rows(Row.MIX_BALANCE, mix, node_gpus, bench.shape_name))
+
+
+def _measure_baseline(bench: Bench, job: Job, full_e2e: dict | None) -> None:
+    bench.record(Row.BASELINE, "thread baseline", _baseline_row, bench, job, full_e2e,
+                 skipped="skipped (--skip-baseline)" if bench.args.skip_baseline else None)
+
+
+def _baseline_row(bench: Bench, job: Job, full_e2e: dict | None) -> dict:
+    args = bench.args
+    progress(f"row {Row.BASELINE:d}: thread baseline (old design), S={args.e2e_seq}")
+    first_drafter_cache = bench.work / "compile_cache" / f"drafter{bench.e2e_topology.num_targets}"
+    result = baseline_stage(_baseline_spec(bench, job), work=bench.work, tiny=args.tiny,
+                            timeout_s=args.baseline_timeout,
+                            cache_dir=None if args.baseline_cold_cache else first_drafter_cache)
+    return baseline_row(result, full_e2e)
+
+
+def _baseline_spec(bench: Bench, job: Job) -> dict:
+    args, num_gpus = bench.args, bench.num_gpus
+    if not bench.cuda:
+        target_device, devices = "cpu", ["cpu", "cpu"]
+    elif num_gpus >= 3:
+        target_device, devices = "cuda:0", [f"cuda:{i}" for i in range(1, num_gpus)]
+    else:  # two threads on one GPU: they compile concurrently, as in the incident
+        target_device, devices = "cuda:0", [f"cuda:{num_gpus - 1}"] * 2
+    backend = args.baseline_backend if args.baseline_backend != "auto" else ("flex" if bench.cuda else "sdpa")
+    return {"target_dir": str(bench.target_dir), "drafter_config": dataclasses.asdict(job.drafter),
+            "seq_len": args.e2e_seq, "num_anchors": args.anchors, "chunk_blocks": job.step.chunk_blocks,
+            "items_per_thread": args.baseline_steps, "target_device": target_device, "drafter_devices": devices,
+            "backend": backend, "fx_noise": args.fx_noise, "timeout_s": max(30.0, args.baseline_timeout - 60),
+            "seed": 0, "lr": job.optim.lr}
 
 
 def _free(device: torch.device) -> None:
@@ -337,43 +365,15 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _baseline_spec(args, dcfg, target_dir: Path, cfg, num_gpus: int, cuda: bool) -> dict:
-    if not cuda:
-        target_device, devices = "cpu", ["cpu", "cpu"]
-    elif num_gpus >= 3:
-        target_device, devices = "cuda:0", [f"cuda:{i}" for i in range(1, num_gpus)]
-    else:  # two threads on one GPU: they compile concurrently, as in the incident
-        target_device, devices = "cuda:0", [f"cuda:{num_gpus - 1}"] * 2
-    backend = args.baseline_backend if args.baseline_backend != "auto" else ("flex" if cuda else "sdpa")
-    return {"target_dir": str(target_dir), "drafter_config": dataclasses.asdict(dcfg), "seq_len": args.e2e_seq,
-            "num_anchors": args.anchors, "chunk_blocks": int(cfg.drafter.chunk_blocks),
-            "items_per_thread": args.baseline_steps, "target_device": target_device, "drafter_devices": devices,
-            "backend": backend, "fx_noise": args.fx_noise, "timeout_s": max(30.0, args.baseline_timeout - 60),
-            "seed": 0, "lr": float(cfg.optim.lr)}
-
-
-def _answer_flags(argv: list[str]) -> list[str]:
-    """The flags every command shares (launcher/cli.py): `--cfg job|all` prints the resolved
-    benchmark options and the training overrides its drafter and end-to-end rows use, `--info`
-    where they come from; both exit 0. `--help` is argparse's (every option, its default)."""
-    import yaml
-    if "--info" in argv:
-        print("options: this command line over the defaults of launcher/bench/__main__.py (--help lists them); "
-              "training overrides (--set): conf/ and launcher/config/schema.py, as for launcher.train")
-        raise SystemExit(0)
-    if "--cfg" in argv:
-        at = argv.index("--cfg")
-        if at + 1 >= len(argv) or argv[at + 1] not in ("job", "all"):
-            raise SystemExit("launcher.bench: --cfg takes job or all")
-        args = parse_args(argv[:at] + argv[at + 2:])
-        print(yaml.safe_dump({k: v for k, v in vars(args).items()}, sort_keys=True), end="")
-        raise SystemExit(0)
-    return argv
+def default_out() -> Path:
+    if os.environ.get("OUT"):
+        return Path(os.environ["OUT"]) / "bench.json"
+    return REPO / "runs" / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
 
 
 def main(argv=None) -> None:
     from launcher.config import ConfigError
-    args = parse_args(_answer_flags(sys.argv[1:] if argv is None else list(argv)))
+    args = parse_args(answer_flags(sys.argv[1:] if argv is None else list(argv)))
     out = Path(args.out) if args.out else default_out()
     try:
         report = run(args)

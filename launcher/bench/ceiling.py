@@ -1,10 +1,11 @@
-"""The matmul ceiling (row 1, the MFU denominator) and the check that keeps it honest.
+"""The matmul ceiling (report.Row.CEILING, the MFU denominator) and the check that keeps it honest.
 
 A ceiling is only used when it is physically possible: it must not exceed the device's plausible
 peak (the spec sheet's dense bf16 rate). An implausible ceiling is measured once more with five
 times the products; if it is still above the peak the row is an error row, the ceiling is not
-used and every MFU prints as '-'. The first 8-GPU run printed 40,046 TFLOP/s on an H200 because
-its CUDA events were recorded on another GPU's stream (the current device had been set to the
+used and every MFU prints as '-'. The first 8-GPU run printed an impossible ceiling on an H200
+(docs/perf_notes.md, "How to measure", "The ceiling cannot lie") because its CUDA events were
+recorded on another GPU's stream (the current device had been set to the
 drafter's GPU): here the time is wall clock between synchronisations of the device that runs the
 products, for a loop of back-to-back products, and the rate is total FLOPs / total time.
 """
@@ -20,6 +21,7 @@ import torch
 PLAUSIBLE_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "GH200": 989.0,
                          "A100": 312.0, "A800": 312.0, "B200": 2250.0}
 REMEASURE_FACTOR = 5
+H200_HBM_TB_PER_S = 4.8   # the spec sheet's HBM bandwidth: the floor of a memory-bound pass
 
 
 def plausible_peak(device_name: str) -> float | None:

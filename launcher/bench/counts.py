@@ -1,28 +1,11 @@
-"""FLOP and byte counts of the two stages, the benchmark shapes, and the stage-balance advice
+"""FLOP and byte counts of the two stages and the stage-balance advice
 (docs/perf_notes.md gives the numbers these formulas give at the production shape)."""
 from __future__ import annotations
 
 import torch
 
-from dflash_core.target import shapes as core_shapes
 from dflash_core.target.families import text_config
 
-# Qwen3-8B's shape (random weights: speed does not depend on weight values).
-QWEN3_8B_SHAPE = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, num_hidden_layers=36,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12288,
-                      max_position_embeddings=40960, rope_theta=1e6)
-# The ~27B shape of the original 8-GPU incident (issue 8).
-QWEN3_27B_SHAPE = dict(model_type="qwen3", vocab_size=151936, hidden_size=5120, num_hidden_layers=64,
-                       num_attention_heads=64, num_key_value_heads=8, head_dim=128, intermediate_size=25600,
-                       max_position_embeddings=40960, rope_theta=1e6)
-# Every --shape: ours plus dflash_core.target.shapes' (a Qwen3.5/3.6 35B-A3B MoE hybrid, Llama-3-8B).
-SHAPES = {"qwen3-8b": QWEN3_8B_SHAPE, "qwen3-27b": QWEN3_27B_SHAPE, **core_shapes.SHAPES}
-QWEN3_MASK_TOKEN_ID = 151669
-# The drafter's mask token per shape: the public checkpoints' spare ids (Llama 3's first reserved
-# special token); "auto" takes the first id the bench target's tokenizer leaves unused.
-MASK_TOKEN_IDS = {"qwen3-8b": QWEN3_MASK_TOKEN_ID, "qwen3-27b": QWEN3_MASK_TOKEN_ID, "llama3-8b": 128002}
-H200_BF16_MATMUL_TFLOPS = 790.0   # measured-class dense bf16 GEMM rate of one H200 (spec sheet: 989)
-H200_HBM_TB_PER_S = 4.8
 # Text model types whose q_proj also produces the attention output gate (twice the query width).
 GATED_QUERY_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
@@ -51,8 +34,9 @@ def drafter_step_flops_breakdown(cfg, seq_len: int, anchors) -> dict:
       fc        = 6 * L * H * H * S        the feature projection, per context token
 
     MFU counts model FLOPs only (no recomputation; the fused head loss does none for the LM head).
-    fc follows the issue's 6x although its input (the target's hidden states)
-    needs no gradient, so the step really does 4x there (the difference is ~1% at the 8B shape).
+    fc follows the issue's 6x although its input (the target's hidden states) needs no gradient,
+    so the step really does 4x there (how little that moves the total: docs/perf_notes.md, "The two
+    numbers").
     """
     n, bs, hidden = cfg.num_hidden_layers, cfg.block_size, cfg.hidden_size
     if isinstance(anchors, int):

@@ -7,25 +7,19 @@ import random
 import tempfile
 from pathlib import Path
 
-from dflash_core.target import shapes as core_shapes
 from dflash_core.target.families import text_config
-from launcher.bench.counts import SHAPES
+from dflash_core.target.shapes import config_from_shape
 from launcher.bench.mix import LengthMix, MixError
 
 
 def bench_config(shape, **ids):
-    """The transformers config of a bench shape: a name of counts.SHAPES (dflash_core.target.shapes' names
-    through its config_from_shape, so each family gets its own config class) or a dict of config
-    fields (model_type defaults to qwen3; a top-level rope_theta becomes rope_parameters)."""
+    """The transformers config of a bench shape: a name of dflash_core.target.shapes.SHAPES, or a dict
+    of config fields (the tiny target's: model_type defaults to qwen3)."""
     from transformers import AutoConfig
 
-    if isinstance(shape, str) and shape in core_shapes.SHAPES:
-        return core_shapes.config_from_shape(shape, **ids)
-    fields = dict(SHAPES[shape] if isinstance(shape, str) else shape)
-    theta = fields.pop("rope_theta", None)
-    if theta is not None:
-        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": float(theta)}
-    return AutoConfig.for_model(**{"model_type": "qwen3", **fields, **ids})
+    if isinstance(shape, str):
+        return config_from_shape(shape, **ids)
+    return AutoConfig.for_model(**{"model_type": "qwen3", **shape, **ids})
 
 
 def write_bench_target(out_dir: Path, shape, tokenizer_src: Path) -> Path:

@@ -5,11 +5,10 @@ A mix is a list of (prompt tokens, answer tokens) per conversation: read from a 
 with the bench target's tokenizer; the prompt is every unsupervised token, the answer every
 supervised one, so a multi-turn conversation counts its turns together), or the built-in mix.
 
-The built-in mix (docs/perf_notes.md, "How to measure", says what it is modelled on): 80% chat
-turns with ShareGPT-like lengths (lognormal prompts, median 120 tokens, and answers, median 140:
-means ~200 and ~210, near the published ShareGPT means of 230 prompt / 203 answer tokens) and 20%
-reasoning traces (answers median 1,800 tokens, a long tail cut at the row length). Its median
-answer is ~180 tokens, below 512.
+The built-in mix (BUILTIN_COMPONENTS): chat turns with ShareGPT-like lognormal prompt and answer
+lengths, and a smaller share of reasoning traces with long answers (a long tail cut at the row
+length). docs/perf_notes.md ("How to measure", "Length mixes") gives the medians and means it
+draws and the published ShareGPT figures it is modelled on.
 
 From a mix the bench builds (1) in-memory samples with random token ids and the loss mask on the
 answer span, fed through the real MicroBatchSource in padded and packed mode for the stage rows,

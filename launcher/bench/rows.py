@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from launcher.bench.counts import balance_advice
-from launcher.bench.report import fmt
+from launcher.bench.report import Row, fmt
 from launcher.bench.stages import progress
 
 
@@ -16,14 +16,14 @@ def error_row(n: int, name: str, exc: BaseException) -> dict:
             "notes": f"FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"}
 
 
-def measured(rows: list[dict], n: int, name: str, measure, *, skipped: str | None):
+def measured(rows: list[dict], n: int, name: str, measure, *args, skipped: str | None = None):
     """Row n's measurement: None, with a note row, when `skipped` says why; None, with an error row,
-    when it raises (a failed row must not cost the others); else what `measure()` returns."""
+    when it raises (a failed row must not cost the others); else what `measure(*args)` returns."""
     if skipped:
         rows.append({"n": n, "row": name, "notes": skipped})
         return None
     try:
-        return measure()
+        return measure(*args)
     except Exception as exc:  # noqa: BLE001
         rows.append(error_row(n, name, exc))
         return None
@@ -136,7 +136,7 @@ def baseline_row(result: dict, e2e: dict | None) -> dict:
             + (f" [{kinds}]" if kinds else "")
             + (" (sdpa, no FX noise: nothing compiled, 0 failures expected)"
                if result["backend"] == "sdpa" and not result["fx_noise"] else ""))
-    return {"n": 6, "row": "thread baseline", "seq_len": result["seq_len"],
+    return {"n": Row.BASELINE, "row": "thread baseline", "seq_len": result["seq_len"],
             "tokens_per_s": result["steady_tokens_per_s"],
             **{k: result[k] for k in ("threads", "steps_done", "steps_attempted", "failures", "failure_kinds",
                                       "target_failures", "target_failure_kinds", "hung_threads", "fx_traces",

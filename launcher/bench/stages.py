@@ -98,7 +98,7 @@ def _throughput(stage: str, workload: Workload, timed: list[tuple], flops: list[
             "epoch_tokens_per_s": (1 - workload.extra["epoch_padding_fraction"]) * workload.seq_len / step_s}
 
 
-# ------------------------------------------------------------------------------ row 2: target
+# ------------------------------------------------------------------------------ the target rows
 def target_stage(hf_config, layer_ids, device, dtype, workloads: list[Workload], *, warmup: int, reps: int,
                  ceiling: float | None, compiled: bool = False, attention: str | None = None,
                  full_forward: bool = True, clock=time.perf_counter) -> list[dict]:
@@ -173,7 +173,7 @@ def _compare_full_forward(hf_config, device, dtype, rows: list[dict], *, warmup:
         progress(f"full forward S={row['seq_len']}: {row['full_forward_ms']:.1f} ms")
 
 
-# ------------------------------------------------------------------------------ row 3: drafter
+# ------------------------------------------------------------------------------ the drafter rows
 def drafter_stage(job, workloads: list[Workload], *, work: Path, warmup: int, steps: int, ceiling: float | None,
                   clock=time.perf_counter) -> list[dict]:
     """The real training step (launcher.roles.trainer.DrafterTrainer.train_step) of one drafter rank on
@@ -193,7 +193,7 @@ def drafter_stage(job, workloads: list[Workload], *, work: Path, warmup: int, st
     store_path.unlink(missing_ok=True)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.FileStore(str(store_path), 1), rank=0, world_size=1,
-                            timeout=timedelta(seconds=job.cfg.run.timeout_s),
+                            timeout=timedelta(seconds=job.run.timeout_s),
                             device_id=device if backend == "nccl" else None)
     try:
         t0 = time.perf_counter()
@@ -337,7 +337,7 @@ def child_env(*, tiny: bool, **extra) -> dict:
     return {k: v for k, v in env.items() if v is not None}
 
 
-# ------------------------------------------------------------------------------ row 4: end to end
+# ------------------------------------------------------------------------------ the end-to-end rows
 def e2e_stage(overrides: list[str], *, topology, work: Path, tiny: bool, timeout_s: float, name: str = "e2e") -> dict:
     """The real launcher under torchrun with `topology` (a launcher.distributed.topology.Topology), one process
     per rank, in run dir work/<name>; returns its summary.json."""
@@ -348,7 +348,8 @@ def e2e_stage(overrides: list[str], *, topology, work: Path, tiny: bool, timeout
            f"isolation.cache_root={work / 'compile_cache'}"]
     progress("end to end: " + " ".join(cmd[1:]))
     code, tail = stream(cmd, env=child_env(tiny=tiny), timeout_s=timeout_s, prefix=name)
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)   # the 8B drafter's final checkpoint is ~12 GB
+    # An 8B-class drafter's final checkpoint is large: fp32 weights and both AdamW moments, 12 bytes a weight.
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     summary_path = run_dir / "summary.json"
     if code != 0 or not summary_path.is_file():
         why = "timed out" if code is None else f"exit code {code}"
@@ -356,7 +357,7 @@ def e2e_stage(overrides: list[str], *, topology, work: Path, tiny: bool, timeout
     return json.loads(summary_path.read_text())
 
 
-# ------------------------------------------------------------------------------ row 6: baseline
+# ------------------------------------------------------------------------------ the thread baseline
 def baseline_stage(spec: dict, *, work: Path, tiny: bool, timeout_s: float, cache_dir: Path | None) -> dict:
     """launcher.bench.thread_baseline in a fresh process (its own dynamo state, like the old trainer)."""
     spec_path, out_path = work / "baseline_spec.json", work / "baseline_result.json"

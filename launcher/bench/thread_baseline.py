@@ -79,11 +79,17 @@ class _DrafterThread(threading.Thread):
 
     def run(self):
         from dflash_core.loss.objective import drafter_step
+        from launcher.config.schema import DrafterSettings
+        from launcher.resolve import step_settings
 
         spec, device = self.spec, self.device
         cuda = device.type == "cuda"
         optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=spec["lr"], betas=(0.9, 0.95), fused=cuda)
         generator = torch.Generator(device=device).manual_seed(spec["seed"] + self.index)
+        # The config's default step settings with the spec's anchors, chunks and backend; eager.
+        settings = step_settings(DrafterSettings(block_size=self.drafter.config.block_size,
+                                                 num_anchors=spec["num_anchors"], chunk_blocks=spec["chunk_blocks"]),
+                                 spec["backend"], compiled=False)
         autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
         with torch.cuda.device(device) if cuda else contextlib.nullcontext():
             self.start_barrier.wait()
@@ -95,9 +101,8 @@ class _DrafterThread(threading.Thread):
                 try:
                     input_ids, loss_mask, hidden = (t.to(device, non_blocking=True) for t in item)
                     with autocast():
-                        out = drafter_step(self.drafter, self.head, input_ids, loss_mask, hidden,
-                                           num_anchors=spec["num_anchors"], generator=generator,
-                                           backend=spec["backend"], chunk_blocks=spec["chunk_blocks"])
+                        out = drafter_step(self.drafter, self.head, input_ids, loss_mask, hidden, settings,
+                                           generator=generator)
                     (out.loss_sum / out.counts.weight_sum.clamp_min(1e-9)).backward()
                     torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
                     optimizer.step()

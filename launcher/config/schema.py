@@ -75,8 +75,8 @@ class DrafterSettings:
     gamma: Optional[float] = knob(None, "dflash decay constant; null: by block size (7 for 16, 5 for 10, 4 for 8)",
                                   gt=0)
     dpace_alpha: float = knob(0.5, "D-PACE acceptance floor alpha", ge=0, le=1)
-    # 128: on H200 at the Qwen3-8B shape 32 -> 128 saved ~5 ms of a ~153 ms step (fewer, larger head
-    # GEMMs and loss kernels) for +1.3 GB; 256 and 512 were no faster (docs/perf_notes.md).
+    # 128: at the Qwen3-8B shape the fastest of 32-512 (fewer, larger head GEMMs and loss kernels), for a
+    # little more memory (docs/perf_notes.md, "Step time, second pass").
     chunk_blocks: int = knob(128, "blocks per LM-head chunk (bounds the logits held at once)", ge=1)
     feature_noise_std: float = knob(0.0, "Gaussian noise std added to the target features", ge=0)
     hidden_size: Optional[int] = knob(None, "null: the target's (a drafter must match it)", ge=1)

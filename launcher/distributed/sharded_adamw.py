@@ -1,17 +1,16 @@
 """The drafter ranks' optimiser: AdamW on fp32 master weights sharded over the ranks (ZeRO-1), with
 the model computing on compute copies that the update itself writes.
 
-Why (Qwen3-8B shape: 1.05 B weights, one H200; docs/perf_notes.md):
+Why (what each costs at the Qwen3-8B shape: docs/perf_notes.md, "Step time, fifth pass"):
 - An fp32 model under autocast casts every weight to bf16 before its forward GEMM and every weight
-  gradient back to fp32 after its backward GEMM: 2.7 ms of a 134 ms step. Here the model holds its
-  matrices in bf16 and the AdamW pass over the fp32 masters writes their bf16 copy as well (2 more
-  bytes per weight in a pass that moves 28).
-- DDP all-reduced 4.2 GB of fp32 gradients and every drafter rank then updated all 1.05 B weights
-  (7 ms) from 12.6 GB of masters and moments. Here each bucket of gradients is reduce-scattered in
-  fp32 as soon as its last gradient arrives (overlapping the rest of the backward), each rank updates
-  its 1/D of the masters and moments and writes its 1/D of the compute copies, and the ranks
-  all-gather those: (D-1)/D x 6.3 GB through the links per step instead of (D-1)/D x 8.4 GB, 1/D of
-  the AdamW pass and 12.6/D GB of optimiser state per rank.
+  gradient back to fp32 after its backward GEMM. Here the model holds its matrices in bf16 and the
+  AdamW pass over the fp32 masters writes their bf16 copy as well (2 more bytes per weight in a pass
+  that moves 28).
+- DDP all-reduced the fp32 gradients and every drafter rank then updated all the weights from the
+  whole fp32 masters and moments. Here each bucket of gradients is reduce-scattered in fp32 as soon
+  as its last gradient arrives (overlapping the rest of the backward), each rank updates its 1/D of
+  the masters and moments and writes its 1/D of the compute copies, and the ranks all-gather those:
+  fewer bytes through the links, 1/D of the AdamW pass and 1/D of the optimiser state per rank.
 
 Which weights: *matrices* (the Linear weights, all but 0.02% of the drafter) are held in the compute
 dtype, as views of one flat buffer per bucket (each decoder layer's, and one for the rest), and
@@ -29,8 +28,8 @@ before it are complete.
 The new weights: after the update the ranks all-gather each bucket's compute copies and nobody waits
 for them there. The next forward does, bucket by bucket, just before it first reads them
 (`wait_for_weights`, which the trainer hands the drafter as its `weights_ready` hook), so the transfers
-overlap the rest of the update and the next forward instead of following the update: at D = 2 ~1 GB per
-rank per step over NVLink, ~3 ms.
+overlap the rest of the update and the next forward instead of following the update (what that hides:
+docs/perf_notes.md, "Step time, sixth pass").
 
 Checkpoints: `state_dict()` is torch AdamW's layout (`step`, `exp_avg`, `exp_avg_sq` per weight, in
 `model.parameters()` order) and `model_state_dict()` the fp32 weights by name, both gathered on the
@@ -97,6 +96,11 @@ class _Bucket:
     @property
     def separate_master(self) -> bool:
         return self.compute.dtype != torch.float32
+
+    def weights(self):
+        """(weight, its span of the flat layout, where it meets this rank's shard: `_overlap`) per weight."""
+        for param, offset in zip(self.params, self.offsets):
+            yield param, slice(offset, offset + param.numel()), _overlap(offset, param.numel(), self.lo, self.hi)
 
 
 def _bucket_key(name: str) -> str:
@@ -177,19 +181,17 @@ class ShardedAdamW(torch.optim.Optimizer):
         hi = lo + numel // parts
         device = members[0].device
         compute = torch.zeros(numel, dtype=dtype, device=device)
-        separate = dtype != torch.float32
-        master = torch.zeros(hi - lo, device=device) if separate else compute[lo:hi]
+        master = torch.zeros(hi - lo, device=device) if dtype != torch.float32 else compute[lo:hi]
+        bucket = _Bucket(members, offsets, compute, sharded, lo, hi, master, torch.zeros_like(master),
+                         torch.zeros_like(master))
         with torch.no_grad():
-            for param, offset in zip(members, offsets):
+            for param, span, where in bucket.weights():
                 flat = param.detach().reshape(-1)
-                where = _overlap(offset, flat.numel(), lo, hi)
-                if separate and where is not None:   # the master from the fp32 weight, before it is rounded
+                if bucket.separate_master and where is not None:   # the master from the fp32 weight, before rounding
                     master[where[1]] = flat[where[0]].float()
-                view = compute[offset:offset + flat.numel()]
-                view.copy_(flat)
-                param.data = view.view(param.shape)
-        return _Bucket(members, offsets, compute, sharded, lo, hi, master, torch.zeros_like(master),
-                       torch.zeros_like(master))
+                compute[span].copy_(flat)
+                param.data = compute[span].view(param.shape)
+        return bucket
 
     # ------------------------------------------------------------------ gradients
     def begin_backward(self, first: bool, last: bool) -> None:
@@ -293,10 +295,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         and update; free when nothing is in flight (one rank)."""
         if not self._gathering:
             return
-        if not modules:
-            indices = list(self._gathering)
-        else:
-            indices = [i for module in modules for i in self._buckets_of(module)]
+        indices = [i for module in modules for i in self._buckets_of(module)] if modules else list(self._gathering)
         for index in indices:
             work = self._gathering.pop(index, None)
             if work is not None:
@@ -317,13 +316,9 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def _direct_segments(self):
         """The same per weight, its gradient read from .grad (one rank: every shard is its whole bucket)."""
-        segments = []
-        for bucket in self.buckets:
-            for param, offset in zip(bucket.params, bucket.offsets):
-                part = slice(offset, offset + param.numel())
-                segments.append((bucket.master[part], param.grad.reshape(-1), bucket.exp_avg[part],
-                                 bucket.exp_avg_sq[part], bucket.compute[part] if bucket.separate_master else None))
-        return segments
+        return [(b.master[span], param.grad.reshape(-1), b.exp_avg[span], b.exp_avg_sq[span],
+                 b.compute[span] if b.separate_master else None)
+                for b in self.buckets for param, span, _ in b.weights()]
 
     # ------------------------------------------------------------------ checkpoints
     def _gathered(self, bucket: _Bucket, shard: torch.Tensor) -> torch.Tensor | None:
@@ -343,8 +338,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         for bucket, shard in zip(self.buckets, shards):
             flat = self._gathered(bucket, shard)
             if flat is not None:
-                for param, offset in zip(bucket.params, bucket.offsets):
-                    out[self._index[id(param)]] = flat[offset:offset + param.numel()].view(param.shape)
+                for param, span, _ in bucket.weights():
+                    out[self._index[id(param)]] = flat[span].view(param.shape)
         return out if self.rank == 0 else None
 
     def model_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -372,10 +367,9 @@ class ShardedAdamW(torch.optim.Optimizer):
                            f"unexpected {sorted(set(weights) - set(names))}")
         with torch.no_grad():
             for bucket in self.buckets:
-                for param, offset in zip(bucket.params, bucket.offsets):
+                for param, _, where in bucket.weights():
                     value = weights[self._name[id(param)]].to(device=param.device, dtype=torch.float32).reshape(-1)
                     param.copy_(value.view(param.shape))
-                    where = _overlap(offset, param.numel(), bucket.lo, bucket.hi)
                     if bucket.separate_master and where is not None:
                         bucket.master[where[1]] = value[where[0]]
 
@@ -394,8 +388,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             raise ValueError(f"the checkpoint's weights were updated different numbers of times: {sorted(steps)}")
         self._step.fill_(steps.pop())
         for bucket in self.buckets:
-            for param, offset in zip(bucket.params, bucket.offsets):
-                where = _overlap(offset, param.numel(), bucket.lo, bucket.hi)
+            for param, _, where in bucket.weights():
                 if where is None:
                     continue
                 saved_state = moments[self._index[id(param)]]

@@ -17,12 +17,14 @@ from launcher.context import Context
 from launcher.distributed.channel import Receiver
 from launcher.distributed.isolation import CompileShare, source_digest
 from launcher.roles.fault import maybe_fail, poisons
+from launcher.roles.run_stats import RunStats
 from launcher.roles.trainer import DrafterTrainer, LaunchedStep
 from launcher.run_io import checkpoint, resume
-from launcher.run_io.metrics import MetricsSink, RunStats
+from launcher.run_io.metrics import MetricsSink
 from launcher.run_io.plots import plot_run
 from launcher.run_io.provenance import card_provenance
 from launcher.run_io.rundir import SeqLog
+from launcher.run_io.summary import DrafterStats
 
 log = logging.getLogger("dflash")
 
@@ -59,7 +61,7 @@ def _warm_up(ctx: Context, trainer: DrafterTrainer) -> float | None:
     share = _compile_share(ctx) if ctx.job.compile.compiled else None
     builder = share is not None and ctx.rank == _node_builder(ctx)
     loaded = share is not None and (share.load() if builder else
-                                    share.wait_and_load(ctx.cfg.run.startup_timeout_s))
+                                    share.wait_and_load(ctx.job.run.startup_timeout_s))
     waited = time.perf_counter() - started
     trainer.warm_up(*shape, ctx.job.schedule.eval_batches > 0)
     if builder and not loaded:
@@ -74,8 +76,8 @@ def _warm_up(ctx: Context, trainer: DrafterTrainer) -> float | None:
 def _card(ctx: Context, trainer: DrafterTrainer, last_eval: dict | None) -> dict:
     """The export's model card facts."""
     return {"target": str(ctx.job.target.path), TARGET_IDENTITY: target_identity(ctx.job.target.path),
-            "data": [str(p) for p in ctx.cfg.data.paths],
-            "steps": ctx.cfg.train.steps, "tokens_seen": trainer.tokens_seen,
+            "data": [str(p) for p in ctx.job.data.paths],
+            "steps": ctx.job.train.steps, "tokens_seen": trainer.tokens_seen,
             "heldout_tau": last_eval["decode_tau"] if last_eval else None,
             "heldout_anchor_tau": last_eval["tau"] if last_eval else None,
             "command": ctx.provenance["launcher_command"] or ctx.provenance["command"],
@@ -116,7 +118,7 @@ class _Books:
 
     def read(self, launched: _InFlight) -> None:
         """Wait for that step's values (not for steps launched after it), check and log them."""
-        result, step, max_bad = launched.launched.result(), launched.step, self.ctx.cfg.run.max_bad_steps
+        result, step, max_bad = launched.launched.result(), launched.step, self.ctx.job.run.max_bad_steps
         for p in launched.payloads:
             self.seq_log.write("trained", p.item)
         self.bad_steps = self.bad_steps + 1 if result.skipped else 0
@@ -130,16 +132,16 @@ class _Books:
         summary = self.stats.add_step(result, waited=launched.waited)
         if self.sink is not None:
             self.sink.step(step + 1, {"lr": launched.lr, "grad_norm": result.grad_norm,
-                                      "skipped_steps": self.stats.skipped, **summary}, self.stats)
+                                      "skipped_steps": self.stats.skipped, **summary}, self.stats.window_rates)
 
 
-def run_drafter(ctx: Context, sink: MetricsSink | None) -> dict:
+def run_drafter(ctx: Context, sink: MetricsSink | None) -> DrafterStats:
     """The drafter loop; `sink` is the lead drafter's metrics sink (None on the others)."""
-    job, cfg, topo, sched = ctx.job, ctx.cfg, ctx.topo, ctx.job.schedule
+    job, topo, sched = ctx.job, ctx.topo, ctx.job.schedule
+    run, steps, fault = job.run, job.train.steps, job.fault
     lead = ctx.rank == topo.lead_drafter
     ctx.progress.stage("building_drafter")
     trainer = DrafterTrainer(job, ctx.groups.drafters)
-    log.info("attention backend %s (drafter.backend=%s)", job.step.backend, cfg.drafter.backend)
     if ctx.resume_from is not None:
         ctx.progress.stage("restoring_checkpoint")
         trainer.load_state(checkpoint.load(ctx.resume_from)[1])
@@ -150,13 +152,13 @@ def run_drafter(ctx: Context, sink: MetricsSink | None) -> dict:
     receiver = Receiver(sched.items_for_drafter(topo.drafter_index(ctx.rank), ctx.start_step), topo.unit_leader,
                         ctx.comm_device, ctx.device)
     books = _Books(ctx, sink)
-    for step in range(ctx.start_step, cfg.train.steps):
-        maybe_fail(cfg.fault, ctx.rank, step)
+    for step in range(ctx.start_step, steps):
+        maybe_fail(fault, ctx.rank, step)
         t0 = time.perf_counter()
-        payloads = [next(receiver) for _ in range(cfg.train.grad_accum)]
+        payloads = [next(receiver) for _ in range(sched.grad_accum)]
         t1 = time.perf_counter()
         batches = [p.batch for p in payloads]
-        if poisons(cfg.fault, ctx.rank, step):
+        if poisons(fault, ctx.rank, step):
             batches = [dataclasses.replace(b, hidden=torch.full_like(b.hidden, float("nan"))) for b in batches]
         books.queue(_InFlight(step, trainer.train_step(batches), payloads, t1 - t0,
                               trainer.scheduler.get_last_lr()[0]))
@@ -165,7 +167,7 @@ def run_drafter(ctx: Context, sink: MetricsSink | None) -> dict:
             compile_s = time.perf_counter() - t1 if compile_s is None else compile_s
             log.info("first step took %.1fs; graphs compiled so far: %d", time.perf_counter() - t1, compile_count())
         done = step + 1
-        saves = done == cfg.train.steps or (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0)
+        saves = done == steps or (run.checkpoint_every and done % run.checkpoint_every == 0)
         if sched.evaluates_after(step) or saves:
             books.flush()
         if sched.evaluates_after(step):
@@ -180,16 +182,16 @@ def run_drafter(ctx: Context, sink: MetricsSink | None) -> dict:
             state = trainer.state(done)   # every drafter rank: each holds a shard of the weights and moments
             if lead:
                 log.info("checkpoint %s", checkpoint.save(ctx.run_dir / "checkpoints", done, state,
-                                                          cfg.run.keep_checkpoints, record=resume.record(job)))
+                                                          run.keep_checkpoints, record=resume.record(job)))
     receiver.close([topo.unit_leader(u) for u in range(topo.num_units)])
     books.seq_log.close()
     if lead:
         log.info("curves: %s", plot_run(ctx.run_dir))
-        if cfg.run.export:
+        if run.export:
             # A resumed run re-writes its own previous export.
             export_drafter(trainer.updated_drafter(), ctx.run_dir / "export", overwrite=True,
                            card=_card(ctx, trainer, books.last_eval))
             log.info("exported the drafter to %s", ctx.run_dir / "export")
     recompiles = compile_count() - graphs_before_stream if ctx.job.compile.warm_up_shape else None
-    return {**books.stats.result(), "items": len(receiver.received), "compiles": compile_count(),
-            "compile_s": compile_s, "recompiles": recompiles, "compile_report": report()}
+    return books.stats.result(items=len(receiver.received), compiles=compile_count(), compile_s=compile_s,
+                              recompiles=recompiles, compile_report=report())

@@ -10,14 +10,14 @@ from __future__ import annotations
 import os
 import signal
 
-from omegaconf import DictConfig
+from launcher.config.schema import FaultSettings
 
 
 class InjectedFault(RuntimeError):
     pass
 
 
-def _fire(fault: DictConfig, rank: int, where: str) -> None:
+def _fire(fault: FaultSettings, rank: int, where: str) -> None:
     if fault.once and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return
     if fault.kind in ("kill", "stop"):
@@ -26,16 +26,16 @@ def _fire(fault: DictConfig, rank: int, where: str) -> None:
     raise InjectedFault(f"fault injected on rank {rank} at {where} (fault.kind=raise)")
 
 
-def maybe_fail(fault: DictConfig, rank: int, step: int) -> None:
+def maybe_fail(fault: FaultSettings, rank: int, step: int) -> None:
     if fault.rank == rank and fault.stage is None and fault.step == step and fault.kind != "nan":
         _fire(fault, rank, f"step {step}")
 
 
-def poisons(fault: DictConfig, rank: int, step: int) -> bool:
+def poisons(fault: FaultSettings, rank: int, step: int) -> bool:
     """kind=nan: this rank's micro-batches carry NaN features from fault.step on."""
     return fault.kind == "nan" and fault.rank == rank and fault.step is not None and step >= fault.step
 
 
-def maybe_fail_at_stage(fault: DictConfig, rank: int, stage: str) -> None:
+def maybe_fail_at_stage(fault: FaultSettings, rank: int, stage: str) -> None:
     if fault.rank == rank and fault.stage == stage:
         _fire(fault, rank, f"stage {stage}")

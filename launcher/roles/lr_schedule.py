@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import math
 
-from omegaconf import DictConfig
+from launcher.config.schema import OptimSettings
 
 
-def lr_multiplier(optim: DictConfig, total_steps: int):
+def lr_multiplier(optim: OptimSettings, total_steps: int):
     warmup = max(1, round(optim.warmup_fraction * total_steps)) if optim.warmup_fraction > 0 else 0
     floor = optim.min_lr_ratio
     decay_start = total_steps - round(optim.decay_fraction * total_steps)

@@ -14,9 +14,10 @@ from launcher.context import Context
 from launcher.dataset import load_run_samples
 from launcher.distributed.channel import HIDDEN_DTYPE, Sender
 from launcher.distributed.schedule import TRAIN
-from launcher.resolve import Job
+from launcher.job import Job
 from launcher.roles.fault import maybe_fail
 from launcher.run_io.rundir import SeqLog
+from launcher.run_io.summary import TargetStats
 
 log = logging.getLogger("dflash")
 
@@ -24,24 +25,25 @@ log = logging.getLogger("dflash")
 def build_sources(job: Job, progress=None) -> tuple[MicroBatchSource, MicroBatchSource | None, dict]:
     """The train and held-out micro-batch sources every target unit serves (identical on every rank).
     progress(done, total) is called while records are tokenised (not when the stores are prepared)."""
-    cfg = job.cfg
-    tokenizer, samples, stats = load_run_samples(cfg, load_tokenizer(job.tokenizer_dir), progress)
+    data, seed = job.data, job.run.seed
+    tokenizer = load_tokenizer(job.tokenizer_dir)
+    samples, stats = load_run_samples(job.data_sources(), data, tokenizer, progress)
     order = list(range(len(samples)))
-    random.Random(cfg.run.seed).shuffle(order)
+    random.Random(seed).shuffle(order)
     num_eval = 0
     if job.schedule.eval_batches > 0:
-        num_eval = max(1, round(len(samples) * cfg.data.eval_fraction))
+        num_eval = max(1, round(len(samples) * data.eval_fraction))
     if num_eval >= len(samples):
-        raise ConfigError(f"data.eval_fraction={cfg.data.eval_fraction} leaves no training sample "
+        raise ConfigError(f"data.eval_fraction={data.eval_fraction} leaves no training sample "
                           f"out of {len(samples)}")
     held_out, train = samples.subset(order[:num_eval]), samples.subset(order[num_eval:])
     stats.update(train_samples=len(train), eval_samples=len(held_out))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def source(subset, packing):
-        return MicroBatchSource(subset, micro_batch_size=cfg.train.micro_batch_size, seed=cfg.run.seed,
-                                pad_token_id=pad_id, length_multiple=cfg.data.length_multiple,
-                                fixed_length=cfg.data.fixed_length, packing=packing)
+        return MicroBatchSource(subset, micro_batch_size=job.train.micro_batch_size, seed=seed,
+                                pad_token_id=pad_id, length_multiple=data.length_multiple,
+                                fixed_length=data.fixed_length, packing=packing)
     # Held-out evaluation stays per conversation (unpacked), so its tau is comparable across settings.
     return source(train, job.packing), (source(held_out, False) if held_out else None), stats
 
@@ -59,7 +61,7 @@ def load_capturing_target(ctx: Context) -> CapturingTarget:
     load_device = "cpu" if plan.parallel == "tensor" else ctx.device
     if plan.random_weights:
         target = random_target(plan.hf_config, layer_ids=plan.layer_ids, device=load_device, dtype=plan.dtype,
-                               seed=ctx.cfg.run.seed, attn_implementation=plan.attention, compiled=compiled)
+                               seed=ctx.job.run.seed, attn_implementation=plan.attention, compiled=compiled)
     else:
         target = load_target(plan.path, layer_ids=plan.layer_ids, device=load_device, dtype=plan.dtype,
                              attn_implementation=plan.attention, compiled=compiled)
@@ -77,7 +79,7 @@ def _warm_up(ctx: Context, target: CapturingTarget) -> None:
     """Compile the capture for the run's static rows before the stream starts (under the start-up
     timeout, like the drafters): packed training rows carry a block-diagonal mask, unpacked rows none."""
     started = time.perf_counter()
-    rows, length = ctx.cfg.train.micro_batch_size, ctx.cfg.data.fixed_length
+    rows, length = ctx.job.train.micro_batch_size, ctx.job.data.fixed_length
     ids = torch.zeros(rows, length, dtype=torch.long, device=ctx.device)
     # Inputs of the stream's own kinds, strides included (compiled code guards on them): two
     # documents per packed training row, a contiguous [rows, length] tensor like the channel's.
@@ -93,7 +95,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def run_target(ctx: Context) -> dict:
+def run_target(ctx: Context) -> TargetStats:
     job, topo = ctx.job, ctx.topo
     unit = topo.unit_of(ctx.rank)
     is_leader = ctx.rank == topo.unit_leader(unit)
@@ -114,14 +116,14 @@ def run_target(ctx: Context) -> dict:
     # rather than in a send bounded by run.timeout_s.
     ctx.progress.meet("stream")
     ctx.progress.stage("streaming")
-    sender = Sender(ctx.comm_device, ctx.cfg.channel.max_in_flight)
+    sender = Sender(ctx.comm_device, job.channel.max_in_flight)
     width = job.target.feature_width
     forward_s = data_s = 0.0
     tokens = slots = items = 0
     seq_log = SeqLog(ctx.run_dir, ctx.rank)
     started = time.perf_counter()
     for item in job.schedule.items_for_unit(unit, ctx.start_step):
-        maybe_fail(ctx.cfg.fault, ctx.rank, item.step)
+        maybe_fail(job.fault, ctx.rank, item.step)
         t0 = time.perf_counter()
         batch = (train_source if item.kind == TRAIN else eval_source).batch(item.index)
         dst = topo.drafter_rank(item.drafter)
@@ -144,6 +146,6 @@ def run_target(ctx: Context) -> dict:
         sender.close([topo.drafter_rank(d) for d in range(topo.num_drafters)])
     seq_log.close()
     wall = time.perf_counter() - started
-    return {"items": items, "tokens": tokens, "token_slots": slots, "wall_s": wall, "forward_s": forward_s,
-            "data_s": data_s, "send_wait_s": sender.wait_s, "bytes_sent": sender.bytes_sent, "data": data_stats,
-            "tokens_per_s": tokens / wall if wall > 0 else 0.0}
+    return TargetStats(items=items, tokens=tokens, token_slots=slots, wall_s=wall, forward_s=forward_s, data_s=data_s,
+                       send_wait_s=sender.wait_s, bytes_sent=sender.bytes_sent, data=data_stats,
+                       tokens_per_s=tokens / wall if wall > 0 else 0.0)

@@ -24,7 +24,8 @@ from dflash_core.loss.frozen_head import FrozenTargetHead
 from dflash_core.loss.objective import StepCounts, drafter_step, evaluate_tau
 from launcher.distributed.channel import HIDDEN_DTYPE, FeatureBatch
 from launcher.distributed.sharded_adamw import ShardedAdamW
-from launcher.resolve import Job, compute_dtype
+from launcher.job import Job
+from launcher.resolve import compute_dtype
 from launcher.roles.lr_schedule import lr_multiplier
 from launcher.run_io import checkpoint
 
@@ -79,24 +80,23 @@ class LaunchedStep:
 class DrafterTrainer:
     def __init__(self, job: Job, group: dist.ProcessGroup):
         self.job, self.group = job, group
-        self.device, self.dcfg, cfg = job.device, job.drafter, job.cfg
+        self.device, self.dcfg, seed = job.device, job.drafter, job.run.seed
         self.amp_dtype = compute_dtype("auto", self.device)
-        torch.manual_seed(cfg.run.seed)
+        torch.manual_seed(seed)
         self.drafter = DFlashDrafter(self.dcfg).to(self.device)
         if job.target.random_weights:
-            self.head = FrozenTargetHead.random(self.dcfg.vocab_size, self.dcfg.hidden_size, seed=cfg.run.seed,
+            self.head = FrozenTargetHead.random(self.dcfg.vocab_size, self.dcfg.hidden_size, seed=seed,
                                                 device=self.device, dtype=self.amp_dtype)
         else:
             self.head = FrozenTargetHead.from_target_dir(job.target.path, device=self.device, dtype=self.amp_dtype)
-        o = cfg.optim
+        o = job.optim
         # fp32 masters sharded over the drafter ranks; the drafter computes on the bf16 copies the update
         # writes (on GPU); it also sums the ranks' gradients (launcher/distributed/sharded_adamw.py).
         self.optimizer = ShardedAdamW(self.drafter, group, compute_dtype=self.amp_dtype, lr=o.lr,
                                       betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
         # Each step's forward waits for the last update's all-gathered weights layer by layer, not all at once.
         self.drafter.weights_ready = self.optimizer.wait_for_weights
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_multiplier(o, cfg.train.steps))
-        self.step_kwargs = dataclasses.asdict(job.step)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_multiplier(o, job.train.steps))
         # Context tokens trained on by every drafter rank, over the whole lineage (on the device: no step reads it).
         self._tokens_seen = torch.zeros((), dtype=torch.float64, device=self.device)
 
@@ -151,9 +151,8 @@ class DrafterTrainer:
             self.optimizer.begin_backward(first=a == 0, last=a == len(batches) - 1)
             with self.autocast():
                 out = drafter_step(self.drafter, self.head, batch.input_ids, batch.loss_mask, batch.hidden,
-                                   position_ids=batch.position_ids,
-                                   generator=anchor_generator(self.device, self.job.cfg.run.seed, batch.index),
-                                   **self.step_kwargs)
+                                   self.job.step, position_ids=batch.position_ids,
+                                   generator=anchor_generator(self.device, self.job.run.seed, batch.index))
                 out.loss_sum.backward()
             counts = counts + out.counts
             counts.tokens = counts.tokens + batch.num_tokens
@@ -163,7 +162,7 @@ class DrafterTrainer:
         # The gradients hold the global sums of d(weighted CE sum): the step optimises
         # (global weighted CE sum) / (global weight sum).
         norm, multiplier = clip_multiplier(self.optimizer.grad_norm(), 1.0 / counts.weight_sum.clamp(min=1e-9),
-                                           self.job.cfg.optim.grad_clip)
+                                           self.job.optim.grad_clip)
         skipped = ~(torch.isfinite(norm) & torch.isfinite(counts.loss_sum))
         self._update(multiplier, skipped)
         self.scheduler.step()   # the learning rate stays a function of the step, skipped or not
@@ -174,7 +173,7 @@ class DrafterTrainer:
         """AdamW on gradients * multiplier, or no update at all where `skipped`. The kernel (on CUDA
         dflash_core/kernels/fused_adamw.py's, on CPU torch's fused one given AMP's grad_scale and found_inf)
         scales each gradient as it reads it and does nothing where `skipped`, sparing a separate pass
-        over every gradient (2 GB of them at the 8B shape) and a host read of the skip decision."""
+        over every gradient (the whole drafter's worth of them) and a host read of the skip decision."""
         self.optimizer.step_scaled(multiplier, skipped)
 
     def warm_up(self, rows: int, seq_len: int, evaluates: bool) -> float:
@@ -192,7 +191,7 @@ class DrafterTrainer:
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             with self.autocast():
                 out = drafter_step(self.drafter, self.head, batch.input_ids, batch.loss_mask, batch.hidden,
-                                   position_ids=batch.position_ids, generator=generator, **self.step_kwargs)
+                                   self.job.step, position_ids=batch.position_ids, generator=generator)
                 out.loss_sum.backward()
             self.optimizer.zero_grad(set_to_none=True)
             if evaluates:
@@ -204,9 +203,7 @@ class DrafterTrainer:
         self.drafter.eval()
         with self.autocast():
             counts = evaluate_tau(self.drafter, self.head, batch.input_ids, batch.loss_mask, batch.hidden,
-                                  position_ids=batch.position_ids, backend=self.job.step.backend,
-                                  num_anchors=self.job.step.num_anchors,
-                                  chunk_blocks=self.job.step.chunk_blocks, compiled=self.job.step.compiled)
+                                  self.job.step, position_ids=batch.position_ids)
         self.drafter.train()
         return counts
 

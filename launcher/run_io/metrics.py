@@ -1,6 +1,6 @@
 """What the lead drafter reports while training: metrics.jsonl (always), the trackers named in
 `metrics.trackers` (TensorBoard by default; MLflow and Weights & Biases as optional extras), the
-progress bar, and the loop's running statistics.
+and the progress bar.
 
 Only the lead drafter logs: every value it logs is already reduced over all drafter ranks.
 """
@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
-
-from launcher.roles.trainer import StepResult
 
 
 def flatten(record: dict) -> dict[str, float]:
@@ -103,12 +101,13 @@ class MetricsSink:
         self.bar = tqdm(total=cfg.train.steps, initial=start_step, disable=not cfg.run.progress, dynamic_ncols=True,
                         desc="train", unit="step")
 
-    def step(self, step: int, record: dict, stats: "RunStats") -> None:
+    def step(self, step: int, record: dict, window_rates: Callable[[], dict]) -> None:
+        """One step's record; on a logged step with `window_rates()` (the rates since the last logged step)."""
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['acc']:.3f}", tau=f"{record['tau']:.2f}",
                              refresh=False)
         if step % self.log_every == 0 or step == self.last_step:
-            self.write("train", step, {**record, **stats.window_rates()})
+            self.write("train", step, {**record, **window_rates()})
 
     def eval(self, step: int, record: dict) -> None:
         self.write("eval", step, record)
@@ -126,59 +125,3 @@ class MetricsSink:
         self.jsonl.close()
         for tracker in self.trackers:
             tracker.close()
-
-
-class RunStats:
-    """The drafter loop's bookkeeping: losses, tokens, waiting, anchor fill, skipped steps, in total
-    and per log window."""
-
-    LOSS_WINDOW = 10  # steps averaged for the start and end loss of the summary
-
-    def __init__(self):
-        self.started = time.perf_counter()
-        self.losses: list[float] = []
-        self.tokens = self.valid_anchors = self.anchor_slots = 0.0
-        self.wait_s = self.busy_s = 0.0
-        self.skipped = 0
-        self.progress = [(self.started, 0.0)]  # (time, tokens so far) after each step
-        self._window = (self.started, 0.0, 0.0)  # (start, tokens, seconds of steps) since the last log line
-
-    def add_step(self, result: StepResult, *, waited: float) -> dict:
-        """Record one step; returns its summary (loss, tau, acc, acc_k, eal, anchor_fill)."""
-        summary = result.counts.summary()
-        tokens = result.counts.tokens.item()
-        self.skipped += result.skipped
-        if not result.skipped:
-            self.losses.append(summary["loss"])
-        self.tokens += tokens
-        self.valid_anchors += result.counts.tau_count.item()
-        self.anchor_slots += result.counts.anchor_slots.item()
-        self.wait_s += waited
-        self.busy_s += result.busy_s
-        self.progress.append((time.perf_counter(), self.tokens))
-        start, window_tokens, window_busy = self._window
-        self._window = (start, window_tokens + tokens, window_busy + result.busy_s)
-        return summary
-
-    def window_rates(self) -> dict:
-        """Tokens/s and idle fraction (the share of the time the device ran no step) since the last call."""
-        now = time.perf_counter()
-        start, tokens, busy = self._window
-        elapsed = max(now - start, 1e-9)
-        self._window = (now, 0.0, 0.0)
-        return {"tokens_per_s": tokens / elapsed, "idle_fraction": max(0.0, 1 - busy / elapsed)}
-
-    def steady_rate(self) -> float:
-        """Tokens/s over the second half of the steps: compilation and pipeline fill stay out of it."""
-        (t0, n0), (t1, n1) = self.progress[len(self.progress) // 2], self.progress[-1]
-        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
-
-    def result(self) -> dict:
-        wall = time.perf_counter() - self.started
-        head, tail = self.losses[:self.LOSS_WINDOW], self.losses[-self.LOSS_WINDOW:]
-        return {"wall_s": wall, "tokens": self.tokens, "tokens_per_s": self.tokens / wall if wall > 0 else 0.0,
-                "steady_tokens_per_s": self.steady_rate(), "recv_wait_s": self.wait_s, "step_s": self.busy_s,
-                "anchor_fill": self.valid_anchors / self.anchor_slots if self.anchor_slots else None,
-                "valid_anchors": self.valid_anchors, "skipped_steps": self.skipped,
-                "first_loss": sum(head) / len(head) if head else None,
-                "last_loss": sum(tail) / len(tail) if tail else None}

@@ -11,17 +11,16 @@ micro-batches and is allowed.) Other changes (learning rate, steps, ...) are lis
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from dflash_core.data.records import file_fingerprint
 from dflash_core.target.families import text_config
-from launcher.resolve import Job, dataset_paths
+from launcher.job import Job
 from launcher.run_io import checkpoint
 
 log = logging.getLogger("dflash")
@@ -69,23 +68,22 @@ def _flat(node, prefix: str = "") -> dict:
 
 def record(job: Job) -> dict:
     """What meta.json records about the config a checkpoint was trained with."""
-    cfg, sched = job.cfg, job.schedule
-    model = {f"drafter.{key}": value for key, value in dataclasses.asdict(job.drafter).items()}
+    sched = job.schedule
+    model = {f"drafter.{key}": value for key, value in asdict(job.drafter).items()}
     model["target.model_type"] = text_config(job.target.hf_config).model_type
-    stream = {"micro-batches per step": sched.train_per_step, "train.micro_batch_size": cfg.train.micro_batch_size,
-              "run.seed": cfg.run.seed, "data.packing": job.packing, "held-out split": sched.eval_batches > 0,
-              **{f"data.{key}": OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-                 for key, value in cfg.data.items() if key not in _NOT_STREAM}}
-    return {"model": model, "stream": stream, "data_files": data_fingerprints(cfg),
+    stream = {"micro-batches per step": sched.train_per_step, "train.micro_batch_size": job.train.micro_batch_size,
+              "run.seed": job.run.seed, "data.packing": job.packing, "held-out split": sched.eval_batches > 0,
+              **{f"data.{key}": value for key, value in asdict(job.data).items() if key not in _NOT_STREAM}}
+    return {"model": model, "stream": stream, "data_files": data_fingerprints(job.data_sources()),
             "split": {"drafter ranks": sched.num_drafters,
                                                         "train.grad_accum": sched.grad_accum},
-            "config": _flat(OmegaConf.to_container(cfg, resolve=True))}
+            "config": _flat(OmegaConf.to_container(job.cfg, resolve=True))}
 
 
-def data_fingerprints(cfg) -> dict[str, str]:
+def data_fingerprints(sources: list[Path]) -> dict[str, str]:
     """Each dataset source's content fingerprint (size and sha256 of its bytes), by path: a file
     replaced under the same path between a run and its resume is told by its content."""
-    return {str(path): file_fingerprint(path) for path in dataset_paths(cfg.data.paths, "data.paths")}
+    return {str(path): file_fingerprint(path) for path in sources}
 
 
 def _check_data_files(meta: dict, now: dict, path: Path, step: int) -> None:
@@ -169,7 +167,7 @@ def choose(job: Job, run_dir: Path, launch: Launch = Launch()) -> ResumePoint:
     """The lead drafter's decision (the other ranks receive it): start fresh, continue this run dir's
     latest checkpoint, or continue run.resume's checkpoint; refused with a clear error when that
     would mix training histories or change what the checkpoint was trained with."""
-    setting, root = job.cfg.run.resume, run_dir / "checkpoints"
+    setting, root = job.run.resume, run_dir / "checkpoints"
     if setting == "never":
         existing = checkpoint.complete(root)
         if not existing:
@@ -196,7 +194,7 @@ def choose(job: Job, run_dir: Path, launch: Launch = Launch()) -> ResumePoint:
         path, step = _explicit(setting, run_dir, launch)
     check(checkpoint.read_meta(path), job, path)
     finished = None
-    if step >= job.cfg.train.steps:
-        finished = (f"the checkpoint {path} is at step {step} and train.steps={job.cfg.train.steps}: nothing to "
+    if step >= job.train.steps:
+        finished = (f"the checkpoint {path} is at step {step} and train.steps={job.train.steps}: nothing to "
                     f"train (raise train.steps to train further)")
     return ResumePoint(step, str(path), finished)

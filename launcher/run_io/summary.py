@@ -1,7 +1,9 @@
-"""The end-of-run summary: one table on the console, summary.json, and the trackers."""
+"""The end-of-run summary: one table on the console, summary.json, and the trackers; and the
+statistics each rank's role reports for it."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, dataclass
 
 from launcher.context import Context
 from launcher.run_io.metrics import MetricsSink
@@ -12,60 +14,126 @@ TRACKED = ("tokens_per_s", "steady_tokens_per_s", "target_idle_fraction", "draft
            "channel_gb_per_s", "anchor_fill", "target_padding_fraction")
 
 
-def summarise(ctx: Context, per_rank: list[dict]) -> dict:
-    drafters = [s for s in per_rank if s["role"] == "drafter"]
-    targets = [s for s in per_rank if s["role"] == "target"]
-    lead = next(s for s in drafters if s["rank"] == ctx.topo.lead_drafter)
-    wall = max(s["wall_s"] for s in per_rank)
-    slots = sum(s["token_slots"] for s in targets)
+@dataclass(frozen=True)
+class TargetStats:
+    """A target rank's stream: what the target role reports."""
+    items: int            # schedule items captured
+    tokens: int           # non-padding tokens forwarded
+    token_slots: int      # all token slots forwarded, padding included
+    wall_s: float
+    forward_s: float      # capturing (the compute stream synchronised)
+    data_s: float         # building micro-batches and announcing them
+    send_wait_s: float    # waiting for a send slot (the drafters' backpressure)
+    bytes_sent: int
+    data: dict            # the data's statistics (conversations, drops by reason, ...)
+    tokens_per_s: float
+
+    @property
+    def busy_s(self) -> float:
+        return self.forward_s
+
+    @property
+    def waiting_s(self) -> float:
+        return self.send_wait_s
+
+
+@dataclass(frozen=True)
+class DrafterStats:
+    """A drafter rank's loop: what the drafter role reports (its running statistics' totals)."""
+    wall_s: float
+    tokens: float                  # context tokens trained on by every drafter rank (all-reduced)
+    tokens_per_s: float
+    steady_tokens_per_s: float     # over the second half of the steps
+    recv_wait_s: float             # waiting for micro-batches
+    step_s: float                  # the steps' own device time
+    anchor_fill: float | None      # valid anchor slots / all anchor slots
+    valid_anchors: float
+    skipped_steps: int
+    first_loss: float | None       # mean loss of the first steps (10: the console's "mean of 10 steps")
+    last_loss: float | None        # ... and of the last
+    items: int                     # micro-batches received
+    compiles: int                  # graphs compiled
+    compile_s: float | None        # seconds the warm-up (or the first step) compiled
+    recompiles: int | None         # graphs compiled in the stream (static shapes: 0; None: no warm-up)
+    compile_report: dict
+
+    @property
+    def busy_s(self) -> float:
+        return self.step_s
+
+    @property
+    def waiting_s(self) -> float:
+        return self.recv_wait_s
+
+
+@dataclass(frozen=True)
+class RankStats:
+    rank: int
+    role: str
+    pid: int
+    cache_dir: str
+    work: TargetStats | DrafterStats
+
+    def record(self) -> dict:
+        """The rank's entry of summary.json's `ranks`."""
+        return {**asdict(self.work), "rank": self.rank, "role": self.role, "pid": self.pid, "cache_dir": self.cache_dir}
+
+
+def summarise(ctx: Context, per_rank: list[RankStats]) -> dict:
+    drafters = [s for s in per_rank if s.role == "drafter"]
+    targets = [s.work for s in per_rank if s.role == "target"]
+    lead = next(s.work for s in per_rank if s.rank == ctx.topo.lead_drafter)
+    wall = max(s.work.wall_s for s in per_rank)
+    slots = sum(s.token_slots for s in targets)
     return {
-        "steps": ctx.cfg.train.steps,
+        "steps": ctx.job.train.steps,
         "start_step": ctx.start_step,
         "topology": ctx.topo.spec,
-        "tokens": lead["tokens"],
+        "tokens": lead.tokens,
         "wall_s": wall,
-        "tokens_per_s": lead["tokens"] / wall if wall > 0 else 0.0,
+        "tokens_per_s": lead.tokens / wall if wall > 0 else 0.0,
         # Every drafter reports the same global token count (all-reduced); its own rate is over the late steps.
-        "steady_tokens_per_s": lead["steady_tokens_per_s"],
-        "first_loss": lead["first_loss"],
-        "last_loss": lead["last_loss"],
-        "skipped_steps": lead["skipped_steps"],
+        "steady_tokens_per_s": lead.steady_tokens_per_s,
+        "first_loss": lead.first_loss,
+        "last_loss": lead.last_loss,
+        "skipped_steps": lead.skipped_steps,
         # Valid anchor slots / all anchor slots computed, and padding / all tokens the targets forwarded.
-        "anchor_fill": lead["anchor_fill"],
-        "target_padding_fraction": 1 - sum(s["tokens"] for s in targets) / slots if slots else None,
-        "compiles": {s["rank"]: s["compiles"] for s in drafters},
-        "compile_s": {s["rank"]: s["compile_s"] for s in drafters},
+        "anchor_fill": lead.anchor_fill,
+        "target_padding_fraction": 1 - sum(s.tokens for s in targets) / slots if slots else None,
+        "compiles": {s.rank: s.work.compiles for s in drafters},
+        "compile_s": {s.rank: s.work.compile_s for s in drafters},
         # Graphs compiled after the warm-up, in the stream: a static-shape run keeps this at 0.
-        "recompiles": {s["rank"]: s["recompiles"] for s in drafters},
-        "compile_report": lead["compile_report"],
+        "recompiles": {s.rank: s.work.recompiles for s in drafters},
+        "compile_report": lead.compile_report,
         "attention_backend": ctx.job.step.backend,   # drafter.backend resolved (auto: flex on a GPU)
-        "target_idle_fraction": _mean(s["send_wait_s"] / s["wall_s"] for s in targets),
+        "target_idle_fraction": _mean(s.send_wait_s / s.wall_s for s in targets),
         # The share of a drafter's time its device ran no step. Not its waits for data: the loop queues the
         # next step before it reads the last, so it waits for data while its GPU may still be busy.
-        "drafter_idle_fraction": _mean(max(0.0, 1 - s["step_s"] / s["wall_s"]) for s in drafters),
-        "channel_gb_per_s": sum(s["bytes_sent"] for s in targets) / wall / 1e9 if wall > 0 else 0.0,
-        "data": targets[0]["data"],
-        "ranks": per_rank,
+        "drafter_idle_fraction": _mean(max(0.0, 1 - s.work.step_s / s.work.wall_s) for s in drafters),
+        "channel_gb_per_s": sum(s.bytes_sent for s in targets) / wall / 1e9 if wall > 0 else 0.0,
+        "data": targets[0].data,
+        "ranks": [s.record() for s in per_rank],
     }
 
 
-def write_summary(ctx: Context, per_rank: list[dict], sink: MetricsSink) -> dict:
+def write_summary(ctx: Context, per_rank: list[RankStats], sink: MetricsSink) -> dict:
     summary = summarise(ctx, per_rank)
     (ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     sink.write("summary", summary["steps"], {key: summary[key] for key in TRACKED if summary[key] is not None}
-               | {f"target{s['rank']}_tokens_per_s": s["tokens_per_s"] for s in per_rank if s["role"] == "target"})
+               | {f"target{s.rank}_tokens_per_s": s.work.tokens_per_s for s in per_rank if s.role == "target"})
     log.info("run summary (%s)\n%s\n%s\nrun dir: %s", summary["topology"], _rank_table(per_rank), _totals(summary),
              ctx.run_dir)
     return summary
 
 
-def _rank_table(per_rank: list[dict]) -> str:
+def _rank_table(per_rank: list[RankStats]) -> str:
     rows = [("rank", "role", "items", "busy s", "waiting s", "wall s", "compiles", "compile s")]
-    for s in sorted(per_rank, key=lambda s: s["rank"]):
-        busy = s.get("forward_s", s.get("step_s", 0.0))
-        waiting = s.get("send_wait_s", s.get("recv_wait_s", 0.0))
-        rows.append((s["rank"], s["role"], s["items"], f"{busy:.2f}", f"{waiting:.2f}", f"{s['wall_s']:.2f}",
-                     s.get("compiles", "-"), _seconds(s.get("compile_s"))))
+    for s in sorted(per_rank, key=lambda s: s.rank):
+        work = s.work
+        compiles = work.compiles if isinstance(work, DrafterStats) else "-"
+        compile_s = work.compile_s if isinstance(work, DrafterStats) else None
+        rows.append((s.rank, s.role, work.items, f"{work.busy_s:.2f}", f"{work.waiting_s:.2f}", f"{work.wall_s:.2f}",
+                     compiles, _seconds(compile_s)))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(str(v).rjust(w) for v, w in zip(r, widths)) for r in rows)
 

@@ -1,5 +1,5 @@
 """Process start-up under torchrun: device, process groups, the run dir, isolation, the resolved job
-and the resume point, in one fixed order on every rank."""
+and the resume point, in one fixed order on every rank (launcher.train runs it, then the rank's role)."""
 from __future__ import annotations
 
 import logging
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from launcher.cli import exit_failed
 from launcher.config import config_hash, config_yaml
@@ -19,7 +19,8 @@ from launcher.context import Context
 from launcher.distributed.heartbeat import Heartbeat, collective_timeout_s
 from launcher.distributed.isolation import check_own_gpu, isolate, own_gpu
 from launcher.distributed.topology import Topology, build_groups
-from launcher.resolve import Job, ensure_embedded_target, resolve, resolve_device
+from launcher.job import Job
+from launcher.resolve import ensure_embedded_target, resolve, resolve_device
 from launcher.roles.fault import maybe_fail_at_stage
 from launcher.run_io.lock import RunLock
 from launcher.run_io.provenance import provenance, this_rank, write_provenance
@@ -90,7 +91,7 @@ def _resume_point(job: Job, env: ProcessEnv, lead: int, run_dir: Path, control,
         except ResumeError as exc:
             box[1] = str(exc)
         except (OSError, ValueError, RuntimeError) as exc:
-            box[1] = f"run.resume={job.cfg.run.resume!r}: cannot load the checkpoint: {exc}"
+            box[1] = f"run.resume={job.run.resume!r}: cannot load the checkpoint: {exc}"
     dist.broadcast_object_list(box, src=lead, group=control)
     if box[1]:
         raise ResumeError(box[1])
@@ -107,8 +108,9 @@ def _heartbeat(cfg: DictConfig, topo: Topology, env: ProcessEnv) -> Heartbeat:
     """This rank's heartbeat and stage reports (and the test-only fault.stage injection on entering a
     stage); a peer that stops beating ends this process, naming it, wherever this rank waits."""
     roles = [topo.role(r) for r in range(env.world)]
+    fault = OmegaConf.to_object(cfg.fault)
     return Heartbeat.connect(env.rank, roles, cfg.run.timeout_s, cfg.run.startup_timeout_s,
-                             on_stage=partial(maybe_fail_at_stage, cfg.fault, env.rank), on_stall=exit_failed)
+                             on_stage=partial(maybe_fail_at_stage, fault, env.rank), on_stall=exit_failed)
 
 
 def start_process(cfg: DictConfig, overrides: list[str], topo: Topology, env: ProcessEnv) -> Context:

@@ -1,0 +1,29 @@
+"""How one drafter step runs: the objective's settings, one typed object from the config to the loss.
+
+launcher/resolve.py builds it once per process from the `drafter.*` keys (their meanings and
+defaults are in launcher/config/schema.py); the field names are those keys. drafter_step and
+evaluate_tau receive it whole.
+"""
+from dataclasses import dataclass
+
+from ..drafter.attention import RESOLVED_BACKENDS
+from .head_loss import LOSS_TYPES
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    num_anchors: int           # blocks per row (one static shape)
+    loss: str                  # dflash | dpace: how the slots' cross-entropies are weighted
+    gamma: float               # dflash slot decay exp(-(k-1)/gamma): drafter.gamma, or default_gamma(block_size)
+    dpace_alpha: float         # D-PACE acceptance floor
+    backend: str               # flex | flash | sdpa: drafter.backend resolved for the device
+    chunk_blocks: int          # blocks per LM-head chunk
+    feature_noise_std: float   # Gaussian noise added to the target features while training
+    compiled: bool             # drafter.compile resolved: the layers and the head loss through torch.compile
+
+    def __post_init__(self):
+        if self.loss not in LOSS_TYPES:
+            raise ValueError(f"StepSettings.loss={self.loss!r}: expected one of {LOSS_TYPES}")
+        if self.backend not in RESOLVED_BACKENDS:
+            raise ValueError(f"StepSettings.backend={self.backend!r}: expected a resolved backend, one of "
+                             f"{RESOLVED_BACKENDS} (dflash_core.drafter.attention.resolve_backend resolves auto)")
