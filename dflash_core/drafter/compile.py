@@ -4,7 +4,9 @@ Each OS process compiles its own copies (the launcher runs one process per GPU, 
 threads ever share dynamo's or FX's process-global state). Shapes are static (a fixed
 anchor count and sequence length), so a process compiles each callable once per distinct
 input kind; `graphs()` must stay constant in steady-state training, and `report()` says where
-the cold start went.
+the cold start went. `use_cuda_graphs` (drafter.cuda_graph) compiles them all with mode
+"reduce-overhead": torch.compile's cudagraph trees replay each compiled graph as one CUDA graph, so
+the host launches a graph, not its kernels.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import torch
 from torch._dynamo.utils import counters
 
 _WRAPPING = threading.Lock()
+CUDA_GRAPH_MODE = "reduce-overhead"
+_mode: str | None = None   # torch.compile's mode for every callable of this process (None: its default)
 
 
 class CompiledFunction:
@@ -38,7 +42,7 @@ class CompiledFunction:
             # baseline) call it first together.
             with _WRAPPING:
                 if self._compiled is None:
-                    self._compiled = torch.compile(self._fn, dynamic=False)
+                    self._compiled = torch.compile(self._fn, dynamic=False, mode=_mode)
         before = counters["stats"]["unique_graphs"]
         start = time.perf_counter()
         out = self._compiled(*args, **kwargs)
@@ -58,6 +62,17 @@ def compiled_function(name: str, fn) -> CompiledFunction:
         raise ValueError(f"a compiled callable named {name!r} exists already")
     _REGISTRY[name] = CompiledFunction(name, fn)
     return _REGISTRY[name]
+
+
+def use_cuda_graphs(enabled: bool) -> None:
+    """Compile every callable as CUDA graphs (torch.compile mode "reduce-overhead") or not. Set before
+    the first call compiles anything: a callable already compiled in the other mode is an error."""
+    global _mode
+    mode = CUDA_GRAPH_MODE if enabled else None
+    compiled = [fn.name for fn in _REGISTRY.values() if fn._compiled is not None]
+    if mode != _mode and compiled:
+        raise RuntimeError(f"use_cuda_graphs({enabled}): {compiled} already compiled with mode={_mode!r}")
+    _mode = mode
 
 
 def compile_count(name: str | None = None) -> int:
