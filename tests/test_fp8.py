@@ -212,3 +212,50 @@ def test_cuda_graphs_compile_every_callable_with_reduce_overhead(monkeypatch):
         use_cuda_graphs(False)
     assert CompiledFunction("plain", lambda x: x)(1) == 1
     assert modes == ["reduce-overhead", None]
+
+
+def test_an_fp8_training_step_trains_the_same_parameters_close_to_bf16(tiny_target_dir):
+    """The trainer with matmul_precision=fp8 (forced past the CPU refusal: _scaled_mm runs on the CPU):
+    the same parameter names and dtypes as bf16 (the optimiser's, the checkpoint's and the export's), the
+    first step's loss within e4m3's rounding of bf16's, and a finite update."""
+    pytest.importorskip("torchao")
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from launcher.distributed.channel import HIDDEN_DTYPE, FeatureBatch
+    from launcher.roles.trainer import DrafterTrainer
+
+    cfg = compose_config([f"target.path={tiny_target_dir}", "target.build_tiny=false", "drafter=tiny",
+                          "run.device=cpu", "data.fixed_length=64", "drafter.num_anchors=8"])
+    job = resolve(cfg, Topology(num_targets=0, num_drafters=1), torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, job.drafter.mask_token_id, (1, 64), generator=gen)
+    hidden = torch.randn(1, 64, job.target.feature_width, generator=gen).to(HIDDEN_DTYPE)
+    batch = FeatureBatch(0, ids, torch.ones_like(ids), torch.arange(64).unsqueeze(0), hidden, 64)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        results, parameters = {}, {}
+        for precision in ("bf16", "fp8"):
+            trainer = DrafterTrainer(dataclasses.replace(job, step=dataclasses.replace(
+                job.step, matmul_precision=precision)), dist.group.WORLD)
+            parameters[precision] = {name: p.dtype for name, p in trainer.drafter.named_parameters()}
+            results[precision] = trainer.train_step([batch]).result()
+            assert (trainer.head.fp8 is not None) == (precision == "fp8")
+    finally:
+        dist.destroy_process_group()
+    assert parameters["fp8"] == parameters["bf16"]
+    loss16, loss8 = (results[p].counts.summary()["loss"] for p in ("bf16", "fp8"))
+    assert loss8 != loss16 and abs(loss8 - loss16) / loss16 < 0.02
+    assert not results["fp8"].skipped and results["fp8"].grad_norm == pytest.approx(results["bf16"].grad_norm, rel=0.1)
+
+
+def test_the_fp8_ceiling_times_row_wise_scaled_products_and_is_checked_against_twice_bf16():
+    from launcher.bench.ceiling import fp8_matmul_ceiling, fp8_peak
+    readings = iter([0.0, 1e-9, 0.0, 1e-9])   # implausibly fast twice: an error row, no ceiling
+    row = fp8_matmul_ceiling(torch.device("cpu"), size=64, reps=2, peak=fp8_peak(1.0), peak_source="test",
+                             clock=lambda: next(readings))
+    assert row["row"] == "fp8 matmul ceiling" and row["shape"] == "64^3 e4m3 row-wise scaled"
+    assert row["remeasured"] and row["mfu"] is None and "exceeds the plausible peak 2 " in row["error"]
+    ok = fp8_matmul_ceiling(torch.device("cpu"), size=64, reps=2, peak=None, peak_source="cpu")
+    assert ok["tflops"] > 0 and "error" not in ok and fp8_peak(989.0) == 1978.0 and fp8_peak(None) is None
