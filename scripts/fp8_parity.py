@@ -4,6 +4,10 @@ drafter.matmul_precision=fp8 and with drafter.cuda_graph, side by side.
     python scripts/fp8_parity.py                     # 500 steps each of bf16, fp8, bf16_graph
     python scripts/fp8_parity.py --runs bf16,fp8 --steps 200 --seq 2048
 
+fp8 needs torchao: `pip install -e '.[fp8]'`, or offline from a wheel saved in .whl/ (`pip download
+torchao==0.18.0 --no-deps -d .whl`): `pip install --no-deps --target /tmp/site .whl/torchao-*.whl` and
+PYTHONPATH=/tmp/site.
+
 Each run is its own process (a cold compile cache of its own, its own peak memory) driving the real
 training step: launcher.resolve builds the job from the bench's overrides (launcher/bench/inputs.py:
 the --shape target with random weights, dflash5, micro-batch 1, data.fixed_length=--seq), and
@@ -58,7 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=20, help="steps the loss curves are smoothed over")
     p.add_argument("--warmup-steps", type=int, default=10, help="steps left out of the median step time")
     p.add_argument("--eval-every", type=int, default=100, help="held-out tau every N steps (0: only at the end)")
-    p.add_argument("--run-timeout", type=float, default=300, help="seconds one run may take")
+    p.add_argument("--run-timeout", type=float, default=240, help="seconds one run may take")
+    p.add_argument("--budget", type=float, default=560, help="seconds all runs may take together: the last ones "
+                                                            "are cut short so that the JSON is written in time")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                    help="hydra override for every run (repeatable), e.g. --set drafter.backend=flash")
     p.add_argument("--one", choices=sorted(RUNS), help=argparse.SUPPRESS)   # a child: one run
@@ -225,6 +231,7 @@ def main(argv=None) -> None:
         raise SystemExit("scripts/fp8_parity.py: needs a CUDA GPU (FP8 matmuls, CUDA graphs)")
     from dflash_core.target.tiny import build_tiny_target
     from launcher.bench.inputs import write_bench_target
+    began = time.perf_counter()
     out = Path(os.environ.get("OUT") or "/tmp")
     work = Path(tempfile.mkdtemp(prefix="fp8-parity-"))
     # Only the tokenizer of the tiny target is copied: an unfitted build is enough, and quick.
@@ -239,10 +246,11 @@ def main(argv=None) -> None:
                "--result", str(result)]
         print(f"[fp8_parity] {name}: {' '.join(RUNS[name]) or 'bf16 defaults'}", flush=True)
         started = time.perf_counter()
+        timeout = max(1.0, min(args.run_timeout, args.budget - (started - began)))
         try:
-            code = subprocess.run(cmd, timeout=args.run_timeout).returncode
+            code = subprocess.run(cmd, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
-            code = f"timed out after {args.run_timeout:.0f}s"
+            code = f"timed out after {timeout:.0f}s"
         report["runs"][name] = (json.loads(result.read_text()) if code == 0 and result.is_file()
                                 else {"error": f"exit {code}"})
         print(f"[fp8_parity] {name}: done in {time.perf_counter() - started:.0f}s", flush=True)
