@@ -259,3 +259,26 @@ def test_the_fp8_ceiling_times_row_wise_scaled_products_and_is_checked_against_t
     assert row["remeasured"] and row["mfu"] is None and "exceeds the plausible peak 2 " in row["error"]
     ok = fp8_matmul_ceiling(torch.device("cpu"), size=64, reps=2, peak=None, peak_source="cpu")
     assert ok["tflops"] > 0 and "error" not in ok and fp8_peak(989.0) == 1978.0 and fp8_peak(None) is None
+
+
+def test_the_parity_script_compares_smoothed_curves_and_tau_on_the_same_data():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "fp8_parity.py"
+    spec = importlib.util.spec_from_file_location("fp8_parity", path)
+    parity = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(parity)
+    assert parity.smoothed([1.0, 2.0, 3.0, 4.0], 2) == [1.5, 2.5, 3.5]
+    bf16 = {"losses": [2.0] * 30, "tau": 3.0, "step_ms_median": 130.0, "peak_memory_gib": 20.0}
+    fp8_run = {"losses": [2.0] * 10 + [2.03] * 20, "tau": 2.95, "step_ms_median": 100.0, "peak_memory_gib": 21.0}
+    against = parity.compare({"bf16": bf16, "fp8": fp8_run, "bf16_graph": {"error": "exit 1"}}, window=5)
+    assert list(against) == ["fp8"]
+    assert against["fp8"]["max_rel_loss_diff"] == pytest.approx(0.015) and not against["fp8"]["loss_within_1pct"]
+    assert against["fp8"]["tau_within_2pct"] and against["fp8"]["speedup_vs_bf16"] == pytest.approx(1.3)
+    stream = parity.PhraseStream(64, 16, torch.device("cpu"))
+    first, again, other = stream.batch(3), stream.batch(3), stream.batch(4)
+    assert torch.equal(first.input_ids, again.input_ids) and not torch.equal(first.input_ids, other.input_ids)
+    assert first.input_ids.shape == (1, 64) and first.hidden.shape == (1, 64, 16)
+    phrase = first.input_ids[0, :parity.PHRASE_LENGTH]
+    assert (stream.phrases == phrase).all(dim=1).any()   # rows are whole phrases
+    assert torch.equal(first.hidden[0, 5], stream.features[first.input_ids[0, 5]])   # a token's feature
