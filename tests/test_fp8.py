@@ -202,16 +202,21 @@ def test_cuda_graphs_are_refused_without_a_gpu_a_static_shape_or_compilation(ove
     check_step_device(compose_config(overrides), torch.device(device), compiled)   # without it: accepted
 
 
-def test_cuda_graphs_compile_every_callable_with_reduce_overhead(monkeypatch):
+def test_cuda_graphs_compile_the_training_calls_with_reduce_overhead(monkeypatch):
+    """Training calls (gradients enabled) are CUDA-graphed; evaluation calls keep the plain compile: without
+    a pending backward, cudagraph trees would free each layer's output before the next layer reads it."""
     modes = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: modes.append(kwargs["mode"]) or fn)
+    graphed = CompiledFunction("graphed", lambda x: x + 1)
     try:
         use_cuda_graphs(True)
-        assert CompiledFunction("graphed", lambda x: x + 1)(1) == 2
+        assert graphed(1) == 2 and graphed(2) == 3   # one wrapper per mode, made once
+        with torch.no_grad():
+            assert graphed(1) == 2
     finally:
         use_cuda_graphs(False)
     assert CompiledFunction("plain", lambda x: x)(1) == 1
-    assert modes == ["reduce-overhead", None]
+    assert modes == ["reduce-overhead", None, None]
 
 
 def test_an_fp8_training_step_trains_the_same_parameters_close_to_bf16(tiny_target_dir):

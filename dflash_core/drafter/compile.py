@@ -25,27 +25,37 @@ _mode: str | None = None   # torch.compile's mode for every callable of this pro
 class CompiledFunction:
     """torch.compile(fn, dynamic=False), counting the dynamo graphs its calls compile and the
     seconds those calls took (the forward's compile; a backward compiles lazily in autograd and
-    is reported by dynamo's own timers, see `report`)."""
+    is reported by dynamo's own timers, see `report`).
+
+    Under use_cuda_graphs, calls with gradients enabled (a training forward) run a CUDA-graphed
+    copy; calls without (evaluation; the head loss inside its autograd Function) keep the plain one.
+    Without a pending backward, cudagraph trees start a new iteration at every call and free the
+    last call's outputs, and a forward feeds each layer's output to the next call."""
 
     def __init__(self, name: str, fn):
         self.name = name
         self._fn = fn
-        self._compiled = None
+        self._compiled: dict[str | None, object] = {}   # torch.compile mode -> its wrapper
         self.graphs = 0
         self.seconds = 0.0
 
-    def __call__(self, *args, **kwargs):
-        if self._compiled is None:
+    def _wrapper(self):
+        mode = _mode if torch.is_grad_enabled() else None
+        if mode not in self._compiled:
             # Wrapped on first use: torch.compile imports inductor (docs/perf_notes.md, "Figures the code
             # quoted"), which a process that never compiles (a CPU target, a drafter without a static
             # shape) need not pay. The lock keeps it one wrapper when threads (the bench's thread
             # baseline) call it first together.
             with _WRAPPING:
-                if self._compiled is None:
-                    self._compiled = torch.compile(self._fn, dynamic=False, mode=_mode)
+                if mode not in self._compiled:
+                    self._compiled[mode] = torch.compile(self._fn, dynamic=False, mode=mode)
+        return self._compiled[mode]
+
+    def __call__(self, *args, **kwargs):
+        compiled = self._wrapper()
         before = counters["stats"]["unique_graphs"]
         start = time.perf_counter()
-        out = self._compiled(*args, **kwargs)
+        out = compiled(*args, **kwargs)
         new_graphs = counters["stats"]["unique_graphs"] - before
         if new_graphs:
             self.graphs += new_graphs
@@ -65,14 +75,10 @@ def compiled_function(name: str, fn) -> CompiledFunction:
 
 
 def use_cuda_graphs(enabled: bool) -> None:
-    """Compile every callable as CUDA graphs (torch.compile mode "reduce-overhead") or not. Set before
-    the first call compiles anything: a callable already compiled in the other mode is an error."""
+    """Run every callable's training calls as CUDA graphs (torch.compile mode "reduce-overhead"), or not,
+    from the next call on (a process sets it once, before its first step)."""
     global _mode
-    mode = CUDA_GRAPH_MODE if enabled else None
-    compiled = [fn.name for fn in _REGISTRY.values() if fn._compiled is not None]
-    if mode != _mode and compiled:
-        raise RuntimeError(f"use_cuda_graphs({enabled}): {compiled} already compiled with mode={_mode!r}")
-    _mode = mode
+    _mode = CUDA_GRAPH_MODE if enabled else None
 
 
 def compile_count(name: str | None = None) -> int:
