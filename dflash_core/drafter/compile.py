@@ -4,7 +4,7 @@ Each OS process compiles its own copies (the launcher runs one process per GPU, 
 threads ever share dynamo's or FX's process-global state). Shapes are static (a fixed
 anchor count and sequence length), so a process compiles each callable once per distinct
 input kind; `graphs()` must stay constant in steady-state training, and `report()` says where
-the cold start went. `use_cuda_graphs` (drafter.cuda_graph) compiles them all with mode
+the cold start went. `use_cuda_graphs` (drafter.cuda_graph) compiles their training calls with mode
 "reduce-overhead": torch.compile's cudagraph trees replay each compiled graph as one CUDA graph, so
 the host launches a graph, not its kernels.
 """
@@ -19,7 +19,7 @@ from torch._dynamo.utils import counters
 
 _WRAPPING = threading.Lock()
 CUDA_GRAPH_MODE = "reduce-overhead"
-_mode: str | None = None   # torch.compile's mode for every callable of this process (None: its default)
+_mode: str | None = None   # torch.compile's mode for the training calls of this process (None: its default)
 
 
 class CompiledFunction:

@@ -23,7 +23,7 @@ class StepSettings:
     feature_noise_std: float   # Gaussian noise added to the target features while training
     compiled: bool             # drafter.compile resolved: the layers and the head loss through torch.compile
     matmul_precision: str = "bf16"   # bf16 | fp8: the drafter's linear layers and the LM head's products
-    cuda_graph: bool = False         # the compiled callables as CUDA graphs (torch.compile mode reduce-overhead)
+    cuda_graph: bool = False         # training calls of the compiled callables as CUDA graphs (reduce-overhead)
 
     def __post_init__(self):
         if self.loss not in LOSS_TYPES:

@@ -74,7 +74,7 @@ class DrafterSettings:
     matmul_precision: str = knob("bf16", "bf16 | fp8: the linear layers and the frozen LM head's products in FP8 with "
                                           "row-wise scales (CUDA capability >= 8.9, the [fp8] extra); master "
                                           "weights, optimiser and loss stay fp32", choices=("bf16", "fp8"))
-    cuda_graph: bool = knob(False, "replay the compiled layers, norms and head-loss terms as CUDA graphs "
+    cuda_graph: bool = knob(False, "replay a training step's compiled layers and norms as CUDA graphs "
                                    "(torch.compile mode reduce-overhead); needs a GPU, data.fixed_length and "
                                    "drafter.compile")
     loss: str = knob("dflash", "loss weighting: dflash (exp decay over slots) | dpace", choices=("dflash", "dpace"))

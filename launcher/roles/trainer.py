@@ -177,8 +177,8 @@ class DrafterTrainer:
         return LaunchedStep(counts, norm, skipped, started)
 
     def _mark_graph_step(self) -> None:
-        """With CUDA graphs, a new step or evaluation forward: the graphs' outputs of the last one (already
-        read) may be overwritten, as cudagraph trees need to be told when forwards run without a backward."""
+        """With CUDA graphs, a new step: cudagraph trees may reuse the last step's graph outputs (all read by
+        now), whatever ran in between (evaluation, the host reading a result)."""
         if self.job.step.cuda_graph:
             torch.compiler.cudagraph_mark_step_begin()
 
@@ -214,7 +214,6 @@ class DrafterTrainer:
     @torch.no_grad()
     def _evaluate_local(self, batch: FeatureBatch) -> StepCounts:
         self.drafter.eval()
-        self._mark_graph_step()
         with self.autocast():
             counts = evaluate_tau(self.drafter, self.head, batch.input_ids, batch.loss_mask, batch.hidden,
                                   self.job.step, position_ids=batch.position_ids)
