@@ -4,6 +4,7 @@ their MFU against that ceiling. Skipped, with the reason, where the device has n
 CPU, --tiny, GPUs before capability 8.9) or with --skip-fp8."""
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,7 +48,7 @@ def _ceiling_row(bench: Bench, peak: float | None, peak_source: str) -> dict:
 
 def measure_fp8_drafter(bench: Bench, full: list[Workload], ceiling: float | None) -> None:
     """The drafter-alone full rows with drafter.matmul_precision=fp8 (the same data, shapes and timing as
-    Row.DRAFTER), MFU against the FP8 ceiling."""
+    Row.DRAFTER), MFU against the FP8 ceiling; with --profile, its kernel breakdown beside row 3's."""
     skipped = fp8_skipped(bench) or (None if full else "skipped: no full rows (--mix-only)")
     bench.rows += measured(bench.rows, Row.FP8_DRAFTER, "drafter alone fp8", _drafter_rows, bench, full, ceiling,
                            skipped=skipped) or []
@@ -62,7 +63,10 @@ def _drafter_rows(bench: Bench, full: list[Workload], ceiling: float | None) -> 
     cfg = compose_config(bench.overrides(bench.data_path, max(args.seqs), args.warmup + args.steps, FP8_OVERRIDE))
     job = resolve(cfg, Topology(num_targets=0, num_drafters=1), bench.device)
     progress(f"row {Row.FP8_DRAFTER:d}: drafter alone, {FP8_OVERRIDE}")
-    rows = drafter_stage(job, full, work=bench.work, warmup=args.warmup, steps=args.steps, ceiling=ceiling)
+    # --profile: the FP8 step's kernel breakdown too, its trace beside the bf16 one.
+    workloads = [dataclasses.replace(w, profile=w.profile and w.profile.replace(".trace.", ".fp8.trace."))
+                 for w in full]
+    rows = drafter_stage(job, workloads, work=bench.work, warmup=args.warmup, steps=args.steps, ceiling=ceiling)
     if bench.cuda:
         torch.cuda.empty_cache()
     return [{**row, "n": Row.FP8_DRAFTER, "row": row["row"].replace("drafter alone", "drafter alone fp8"),
