@@ -474,7 +474,8 @@ def test_tiny_harness_end_to_end(tmp_path, tiny_target_dir):
     by_n = {}
     for r in rows:
         by_n.setdefault(r["n"], []).append(r)
-    assert sorted(by_n) == list(range(1, 11))
+    assert sorted(by_n) == list(range(1, 13))
+    assert all(r["notes"].startswith("skipped: cpu has no FP8") for r in by_n[11] + by_n[12])   # no FP8 on CPU
     ceiling = by_n[1][0]["tflops"]
     assert ceiling > 0 and by_n[1][0]["mfu"] == 1.0
     for r in by_n[2] + by_n[3] + by_n[7] + by_n[8]:   # MFU = FLOPs / step time / ceiling, row by row

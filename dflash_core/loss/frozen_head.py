@@ -4,7 +4,8 @@ Held as non-persistent buffers: never trained, never in gradient sync, never in 
 drafter's (or anybody's) state_dict. Only these two tensors are read from the target
 checkpoint, under the names every supported family uses (dflash_core.target.families): text-only
 checkpoints keep the decoder under `model.`, composite multimodal ones (Qwen3.5/3.6) under
-`model.language_model.`; the LM head is `lm_head.weight` in both."""
+`model.language_model.`; the LM head is `lm_head.weight` in both. `use_fp8()` (drafter.matmul_precision=fp8)
+quantises the LM head once, and its products run in FP8 from then on."""
 
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..files.readers import bad_file, open_safetensors, read_json
+from ..kernels.fp8 import Fp8HeadWeight
 
 EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
 LM_HEAD_KEY = "lm_head.weight"
@@ -47,6 +49,13 @@ class FrozenTargetHead(nn.Module):
                              f"{tuple(lm_head_weight.shape)} shapes differ")
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
         self.register_buffer("lm_head_weight", lm_head_weight.detach(), persistent=False)
+        self.fp8: Fp8HeadWeight | None = None   # the LM head in FP8, once use_fp8() quantised it
+
+    def use_fp8(self) -> None:
+        """Quantise the frozen LM head once into the layouts of its FP8 products (kernels/fp8.py): the
+        logits and the loss's input gradient run in FP8 from now on. The bf16 weight stays (the
+        embedding may be the same tensor, and the export never reads the head)."""
+        self.fp8 = Fp8HeadWeight(self.lm_head_weight)
 
     @property
     def vocab_size(self):
@@ -89,4 +98,5 @@ class FrozenTargetHead(nn.Module):
         return F.embedding(ids, self.embed_weight)
 
     def logits(self, h):
-        return F.linear(h, self.lm_head_weight)
+        """h [rows, H] -> logits [rows, V]."""
+        return F.linear(h, self.lm_head_weight) if self.fp8 is None else self.fp8.logits(h)

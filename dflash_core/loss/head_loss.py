@@ -5,7 +5,9 @@ loss weights, the argmax hits and, when training, d(weighted CE sum)/d(logits). 
 and compiled training steps run it with torch's row statistics and gradient; a compiled step on
 CUDA runs it with the Triton kernels of dflash_core/kernels/head_loss.py in their place (why:
 docs/perf_notes.md, "Step time, fourth pass"). `head_loss` runs it chunk by chunk, so the [N*Bs, V]
-logits never exist at once.
+logits never exist at once. With `drafter.matmul_precision=fp8` the head's two products (the
+logits and d(loss)/dh) are FP8 products of its quantised weight (dflash_core/kernels/fp8.py); the
+loss terms, their reduction and everything after stay as in bf16.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..drafter.compile import compiled_function
+from ..kernels.fp8 import quantise_rows
 
 LOSS_TYPES = ("dflash", "dpace")
 
@@ -76,6 +79,8 @@ def head_loss_terms(logits, labels, weights, loss_type, gamma, alpha, kernels=TO
 
 
 compiled_head_loss_terms = compiled_function("head_loss", head_loss_terms)
+# One fused read of the operand (max, scale, cast) instead of eager's fp32 copy of a [rows, V] chunk.
+compiled_quantise_rows = compiled_function("fp8_quantise_rows", quantise_rows)
 
 
 class FusedHeadLoss(torch.autograd.Function):
@@ -87,24 +92,28 @@ class FusedHeadLoss(torch.autograd.Function):
     back through the head into one [B, N, Bs, H] gradient, so backward is a scale of one saved
     tensor: the same FLOPs minus one head GEMM per chunk, and logits never outlive their chunk.
     One Function for all chunks rather than one per chunk slice: per-chunk slices cost autograd a
-    zero-filled full-size gradient and an accumulation each."""
+    zero-filled full-size gradient and an accumulation each. `fp8`: the head's Fp8HeadWeight, whose
+    FP8 products replace the two bf16 ones (None: bf16)."""
 
     @staticmethod
-    def forward(ctx, h, head_weight, labels, weights, chunk_blocks, loss_type, gamma, alpha, compiled):
+    def forward(ctx, h, head_weight, labels, weights, chunk_blocks, loss_type, gamma, alpha, compiled, fp8=None):
         if not compiled:
             terms = head_loss_terms
         elif h.is_cuda:
             terms = functools.partial(head_loss_terms, kernels=triton_kernels())
         else:
             terms = compiled_head_loss_terms
+        quantise = compiled_quantise_rows if compiled else quantise_rows
         grad_h = torch.empty_like(h)
         loss_sum = weight_sum = 0.0
         correct = []
         for start in range(0, h.shape[1], chunk_blocks):
             part = slice(start, start + chunk_blocks)
-            logits = h[:, part].reshape(-1, h.shape[-1]).to(head_weight.dtype) @ head_weight.T
+            rows = h[:, part].reshape(-1, h.shape[-1]).to(head_weight.dtype)
+            logits = rows @ head_weight.T if fp8 is None else fp8.logits(rows, quantise)
             ce, final, hit, grad_logits = terms(logits, labels[:, part], weights[:, part], loss_type, gamma, alpha)
-            grad_h[:, part] = (grad_logits @ head_weight).view_as(grad_h[:, part])
+            grad_rows = grad_logits @ head_weight if fp8 is None else fp8.input_gradient(grad_logits, quantise)
+            grad_h[:, part] = grad_rows.view_as(grad_h[:, part])
             loss_sum = loss_sum + (final * ce).sum()
             weight_sum = weight_sum + final.sum()
             correct.append(hit)
@@ -116,7 +125,7 @@ class FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_weight_sum, _grad_correct):
         grad_h, = ctx.saved_tensors
-        return grad_h * grad_loss.to(grad_h.dtype), None, None, None, None, None, None, None, None
+        return grad_h * grad_loss.to(grad_h.dtype), None, None, None, None, None, None, None, None, None
 
 
 def head_loss(h, head, labels, weights, *, loss_type, gamma, alpha, chunk_blocks, compiled):
@@ -124,7 +133,7 @@ def head_loss(h, head, labels, weights, *, loss_type, gamma, alpha, chunk_blocks
     enabled through `FusedHeadLoss`, without it (evaluation) by the same terms, chunk by chunk."""
     if torch.is_grad_enabled():
         return FusedHeadLoss.apply(h, head.lm_head_weight, labels, weights, chunk_blocks, loss_type, gamma, alpha,
-                                   compiled)
+                                   compiled, head.fp8)
     loss_sum, weight_sum, correct = 0.0, 0.0, []
     for start in range(0, h.shape[1], chunk_blocks):
         part = slice(start, start + chunk_blocks)

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from ..drafter.attention import RESOLVED_BACKENDS
 from .head_loss import LOSS_TYPES
 
+MATMUL_PRECISIONS = ("bf16", "fp8")
+
 
 @dataclass(frozen=True)
 class StepSettings:
@@ -20,6 +22,8 @@ class StepSettings:
     chunk_blocks: int          # blocks per LM-head chunk
     feature_noise_std: float   # Gaussian noise added to the target features while training
     compiled: bool             # drafter.compile resolved: the layers and the head loss through torch.compile
+    matmul_precision: str = "bf16"   # bf16 | fp8: the drafter's linear layers and the LM head's products
+    cuda_graph: bool = False         # training calls of the compiled callables as CUDA graphs (reduce-overhead)
 
     def __post_init__(self):
         if self.loss not in LOSS_TYPES:
@@ -27,3 +31,8 @@ class StepSettings:
         if self.backend not in RESOLVED_BACKENDS:
             raise ValueError(f"StepSettings.backend={self.backend!r}: expected a resolved backend, one of "
                              f"{RESOLVED_BACKENDS} (dflash_core.drafter.attention.resolve_backend resolves auto)")
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"StepSettings.matmul_precision={self.matmul_precision!r}: expected one of "
+                             f"{MATMUL_PRECISIONS}")
+        if self.cuda_graph and not self.compiled:
+            raise ValueError("StepSettings.cuda_graph=True: needs compiled=True (the graphs are torch.compile's)")

@@ -4,7 +4,8 @@ Every row of launcher/bench/report.py's `Row`, measured in one run (random weigh
 shapes; speed does not depend on them): the matmul ceiling; per sequence length the full rows
 (every token real and supervised): target alone, drafter alone, end to end, their balance and the
 old design's thread baseline; at --mix-seq the length-mix rows (mix.py: --lengths FILE or the
-built-in mix), padded and packed: target alone, drafter alone, end to end, their balance.
+built-in mix), padded and packed: target alone, drafter alone, end to end, their balance; where the
+GPU has FP8 matmuls, the FP8 ceiling and the full drafter rows again in FP8 (fp8_rows.py).
 
 Default: the Qwen3-8B shape (--shape: dflash_core/target/shapes.py), drafter=dflash5 (5 layers,
 block 16, the spec's layer ids), 512 anchors, micro-batch 1, S = 2048 and 4096. `--tiny`
@@ -31,6 +32,7 @@ import torch
 
 from dflash_core.target.shapes import SHAPES
 from launcher.bench.ceiling import matmul_ceiling, plausible_peak, usable_ceiling
+from launcher.bench.fp8_rows import measure_fp8_ceiling, measure_fp8_drafter
 from launcher.bench.inputs import run_overrides, write_bench_target, write_mix_conversations, write_synthetic_data
 from launcher.bench.mix import REFERENCE_LENGTH, builtin_mix, mix_batches, mix_from_file, synthesize_samples
 from launcher.bench.options import answer_flags, parse_args
@@ -60,10 +62,12 @@ def run(args) -> dict:
     job = _drafter_job(bench)
     meta = _meta(bench, job)
     ceiling = _measure_ceiling(bench)
+    fp8_ceiling = measure_fp8_ceiling(bench, *_ceiling_peak(args, bench.device_name, bench.cuda))
     full, mixes, mix_info = _workloads(bench, job)
     if mix_info:
         meta["mix"] = mix_info
     rates = _measure_stages(bench, job, full, mixes, ceiling)
+    measure_fp8_drafter(bench, full, fp8_ceiling)
     full_e2e = None if args.mix_only else _measure_e2e(bench, "full", rates)
     bench.rows += _balance_rows(bench, rates)
     if not args.mix_only:

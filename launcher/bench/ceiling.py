@@ -1,4 +1,5 @@
-"""The matmul ceiling (report.Row.CEILING, the MFU denominator) and the check that keeps it honest.
+"""The matmul ceilings (report.Row.CEILING, the MFU denominator; report.Row.FP8_CEILING, the FP8 rows')
+and the check that keeps them honest.
 
 A ceiling is only used when it is physically possible: it must not exceed the device's plausible
 peak (the spec sheet's dense bf16 rate). An implausible ceiling is measured once more with five
@@ -21,6 +22,7 @@ import torch
 PLAUSIBLE_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "GH200": 989.0,
                          "A100": 312.0, "A800": 312.0, "B200": 2250.0}
 REMEASURE_FACTOR = 5
+FP8_PEAK_FACTOR = 2       # dense FP8 tensor-core rate / dense bf16 rate on the spec sheets (Ada, Hopper, Blackwell)
 H200_HBM_TB_PER_S = 4.8   # the spec sheet's HBM bandwidth: the floor of a memory-bound pass
 
 
@@ -35,17 +37,17 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _loop_rate(a, b, out, device, reps: int, clock) -> tuple[float, float]:
-    """(TFLOP/s, seconds) of `reps` back-to-back products, synchronised before and after."""
+def _loop_rate(product, flops_per_product: float, device, reps: int, clock) -> tuple[float, float]:
+    """(TFLOP/s, seconds) of `reps` back-to-back calls of product(), synchronised before and after."""
     for _ in range(3):
-        torch.mm(a, b, out=out)
+        product()
     sync(device)
     start = clock()
     for _ in range(reps):
-        torch.mm(a, b, out=out)
+        product()
     sync(device)
     seconds = clock() - start
-    flops = reps * 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    flops = reps * flops_per_product
     return (flops / seconds / 1e12 if seconds > 0 else float("inf")), seconds
 
 
@@ -60,9 +62,37 @@ def matmul_ceiling(device: torch.device, *, tiny: bool, reps: int = 20, peak: fl
     a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
     b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
     out = torch.empty(n, n, device=device, dtype=dtype)
-    shape = f"{n}^3 {str(dtype).removeprefix('torch.')}"
-    rate, seconds = _loop_rate(a, b, out, device, reps, clock)
-    row = {"row": "matmul ceiling", "shape": shape, "reps": reps, "ms_per_step": 1e3 * seconds / reps,
+    return _checked_row("matmul ceiling", f"{n}^3 {str(dtype).removeprefix('torch.')}",
+                        lambda: torch.mm(a, b, out=out), 2 * n ** 3, device, reps, peak, peak_source, clock)
+
+
+def fp8_matmul_ceiling(device: torch.device, *, reps: int = 20, peak: float | None = None, peak_source: str = "",
+                       size: int = 8192, clock=time.perf_counter) -> dict:
+    """The FP8 ceiling row (report.Row.FP8_CEILING), the FP8 rows' MFU denominator: e4m3 size^3 products
+    with row-wise fp32 scales and a bf16 result, as drafter.matmul_precision=fp8 runs them
+    (dflash_core/kernels/fp8.py), checked against `peak` (fp8_peak: twice the bf16 one) like row 1."""
+    from dflash_core.kernels.fp8 import quantise_rows, scaled_product
+    gen = torch.Generator(device=device).manual_seed(0)
+    a_q, a_scale = quantise_rows(torch.randn(size, size, device=device, generator=gen))
+    b_q, b_scale = quantise_rows(torch.randn(size, size, device=device, generator=gen))
+    b_q_t, b_scale_t = b_q.t(), b_scale.t()
+    return _checked_row("fp8 matmul ceiling", f"{size}^3 e4m3 row-wise scaled",
+                        lambda: scaled_product(a_q, a_scale, b_q_t, b_scale_t), 2 * size ** 3, device, reps, peak,
+                        peak_source, clock)
+
+
+def fp8_peak(bf16_peak: float | None) -> float | None:
+    """The dense FP8 tensor-core peak: twice the dense bf16 one on every device of the table (the spec
+    sheets' FP8 rate without sparsity)."""
+    return None if bf16_peak is None else FP8_PEAK_FACTOR * bf16_peak
+
+
+def _checked_row(name: str, shape: str, product, flops: float, device, reps: int, peak: float | None,
+                 peak_source: str, clock) -> dict:
+    """A ceiling row: the rate of back-to-back products, re-measured with REMEASURE_FACTOR times the
+    products when above `peak`, and an error row (no usable ceiling) when still above it."""
+    rate, seconds = _loop_rate(product, flops, device, reps, clock)
+    row = {"row": name, "shape": shape, "reps": reps, "ms_per_step": 1e3 * seconds / reps,
            "tflops": rate, "plausible_peak_tflops": peak, "remeasured": False}
     if peak is None:
         row.update(mfu=1.0, notes=f"{shape}, {reps} back-to-back products; {peak_source or 'no plausible peak'}: "
@@ -71,13 +101,13 @@ def matmul_ceiling(device: torch.device, *, tiny: bool, reps: int = 20, peak: fl
     if rate > peak:
         first = rate
         reps *= REMEASURE_FACTOR
-        rate, seconds = _loop_rate(a, b, out, device, reps, clock)
+        rate, seconds = _loop_rate(product, flops, device, reps, clock)
         row.update(reps=reps, ms_per_step=1e3 * seconds / reps, tflops=rate, remeasured=True, first_tflops=first)
     checked = f"{shape}, {reps} back-to-back products, below the plausible peak {peak:.0f} ({peak_source})"
     if rate <= peak:
         row.update(mfu=1.0, notes=checked + (" after a re-measurement" if row["remeasured"] else ""))
         return row
-    error = (f"implausible matmul ceiling: {rate:.1f} TFLOP/s (first {row['first_tflops']:.1f}, re-measured with "
+    error = (f"implausible {name}: {rate:.1f} TFLOP/s (first {row['first_tflops']:.1f}, re-measured with "
              f"{reps} products) exceeds the plausible peak {peak:.0f} TFLOP/s of {peak_source}; the timing is wrong, "
              f"so the ceiling is not used and MFU is not reported")
     row.update(mfu=None, error=error, notes=f"ERROR: {error}")

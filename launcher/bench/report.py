@@ -19,6 +19,8 @@ class Row(IntEnum):
     MIX_E2E = 9       # the launcher on a conversation file realising the mix (its own tokenisation and
     #                   packing): blocks/s per drafter GPU, real target tokens/s per GPU, pipeline efficiency
     MIX_BALANCE = 10  # the split advice from MIX_TARGET and MIX_DRAFTER
+    FP8_CEILING = 11  # row-wise scaled e4m3 matmuls (drafter.matmul_precision=fp8's products): the FP8 MFU denominator
+    FP8_DRAFTER = 12  # full rows: DRAFTER's step with drafter.matmul_precision=fp8, MFU against FP8_CEILING
 
 # (header, row key, format): tokens/s are real (non-padding) tokens; blocks/s are supervised blocks
 # (valid anchors) per second per drafter GPU; fill is anchor_fill; pad the padding share forwarded.

@@ -71,6 +71,12 @@ class DrafterSettings:
                         choices=("auto", "flex", "flash", "sdpa"))
     compile: Any = knob("auto", "torch.compile the layers and head loss: auto (flex at data.fixed_length)",
                         choices=AUTO_BOOL)
+    matmul_precision: str = knob("bf16", "bf16 | fp8: the linear layers and the frozen LM head's products in FP8 with "
+                                          "row-wise scales (CUDA capability >= 8.9, the [fp8] extra); master "
+                                          "weights, optimiser and loss stay fp32", choices=("bf16", "fp8"))
+    cuda_graph: bool = knob(False, "replay a training step's compiled layers and norms as CUDA graphs "
+                                   "(torch.compile mode reduce-overhead); needs a GPU, data.fixed_length and "
+                                   "drafter.compile")
     loss: str = knob("dflash", "loss weighting: dflash (exp decay over slots) | dpace", choices=("dflash", "dpace"))
     gamma: Optional[float] = knob(None, "dflash decay constant; null: by block size (7 for 16, 5 for 10, 4 for 8)",
                                   gt=0)
