@@ -248,7 +248,8 @@ def step_settings(drafter: DrafterSettings, backend: str, compiled: bool) -> Ste
                         gamma=default_gamma(drafter.block_size) if drafter.gamma is None else drafter.gamma,
                         dpace_alpha=drafter.dpace_alpha, backend=backend, chunk_blocks=drafter.chunk_blocks,
                         feature_noise_std=drafter.feature_noise_std, compiled=compiled,
-                        matmul_precision=drafter.matmul_precision, cuda_graph=drafter.cuda_graph)
+                        matmul_precision=drafter.matmul_precision, fp8_recipe=drafter.fp8_recipe,
+                        cuda_graph=drafter.cuda_graph)
 
 
 def resolve(cfg: DictConfig, topology: Topology, device: torch.device) -> Job:

@@ -24,6 +24,24 @@ from launcher.config import ConfigError, compose_config
 from launcher.distributed.topology import Topology
 from launcher.resolve import check_step_device, resolve
 
+
+def _fp8_device() -> torch.device | None:
+    """Where this machine runs row-wise scaled e4m3 products: an FP8 GPU, else the CPU where its
+    _scaled_mm takes row-wise scales (torch >= 2.13; torch 2.11's CPU build takes one scale per
+    tensor only), else None."""
+    if torch.cuda.is_available() and fp8.unsupported_reason(torch.device("cuda")) is None:
+        return torch.device("cuda")
+    try:
+        q = torch.zeros(16, 16).to(fp8.E4M3)
+        torch._scaled_mm(q, q.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return None
+    return torch.device("cpu")
+
+
+DEVICE = _fp8_device()
+needs_fp8 = pytest.mark.skipif(DEVICE is None, reason="no FP8 GPU, and this torch's CPU _scaled_mm takes no "
+                                                      "row-wise scales (torch >= 2.13 does)")
 E4M3_UNIT = 2.0 ** -4        # half an ulp of a 3-bit mantissa, relative
 E4M3_SUBNORMAL = 2.0 ** -10  # half the subnormal spacing (2^-9), relative to the row's scale
 BF16_UNIT = 2.0 ** -8
@@ -61,7 +79,7 @@ def _operands(rows=40, vocab=256, hidden=128, seed=0):
     weight = (torch.randn(vocab, hidden, generator=gen) / hidden ** 0.5).to(torch.bfloat16)
     onehots = (torch.rand(rows, vocab, generator=gen) > 0.99).float()
     grad = (torch.randn(rows, vocab, generator=gen).softmax(-1) * 3 - onehots).to(torch.bfloat16)
-    return h, weight, grad
+    return h.to(DEVICE), weight.to(DEVICE), grad.to(DEVICE)
 
 
 def test_quantised_rows_use_power_of_two_scales_and_fill_the_e4m3_range():
@@ -75,6 +93,7 @@ def test_quantised_rows_use_power_of_two_scales_and_fill_the_e4m3_range():
     torch.testing.assert_close(dequantise(q, scale)[0], x[0])            # 3, -0.5 and 0 are e4m3 values
 
 
+@needs_fp8
 def test_head_logits_are_the_fp32_product_of_the_dequantised_operands():
     h, weight, _ = _operands()
     logits = Fp8HeadWeight(weight).logits(h)
@@ -84,6 +103,7 @@ def test_head_logits_are_the_fp32_product_of_the_dequantised_operands():
     _assert_within(logits, expected, _accumulation_bound(a, b, expected))
 
 
+@needs_fp8
 def test_head_input_gradient_is_the_fp32_product_of_the_dequantised_operands():
     _, weight, grad = _operands()
     grad_h = Fp8HeadWeight(weight).input_gradient(grad)
@@ -94,6 +114,7 @@ def test_head_input_gradient_is_the_fp32_product_of_the_dequantised_operands():
     _assert_within(grad_h, expected, _accumulation_bound(a, b, expected))
 
 
+@needs_fp8
 def test_head_products_are_within_e4m3_rounding_of_the_bf16_ones():
     h, weight, grad = _operands()
     head = Fp8HeadWeight(weight)
@@ -103,14 +124,15 @@ def test_head_products_are_within_e4m3_rounding_of_the_bf16_ones():
         assert not torch.equal(fp8_product, (a @ b).to(torch.bfloat16))   # it is not the bf16 product
 
 
+@needs_fp8
 def test_the_head_loss_in_fp8_stays_close_to_bf16():
     """The whole fused head loss (logits, loss terms, input gradient), training and evaluation."""
     gen = torch.Generator().manual_seed(1)
-    h = torch.randn(1, 6, 8, 64, generator=gen).to(torch.bfloat16)
-    labels = torch.randint(0, 512, (1, 6, 8), generator=gen)
-    weights = (torch.rand(1, 6, 8, generator=gen) > 0.2).float()
+    h = torch.randn(1, 6, 8, 64, generator=gen).to(DEVICE, torch.bfloat16)
+    labels = torch.randint(0, 512, (1, 6, 8), generator=gen).to(DEVICE)
+    weights = (torch.rand(1, 6, 8, generator=gen) > 0.2).float().to(DEVICE)
     weights[..., 0] = 0
-    head = FrozenTargetHead.random(512, 64, seed=2, dtype=torch.bfloat16)
+    head = FrozenTargetHead.random(512, 64, seed=2, device=DEVICE, dtype=torch.bfloat16)
     settings = dict(loss_type="dflash", gamma=7.0, alpha=0.5, chunk_blocks=4, compiled=False)
 
     def loss_and_grad():
@@ -130,32 +152,46 @@ def test_the_head_loss_in_fp8_stays_close_to_bf16():
     assert (grad8 - grad16).norm() / grad16.norm() < 2 * E4M3_UNIT
 
 
-def test_fp8_linear_products_are_the_fp32_products_of_the_dequantised_operands():
-    """torchao's Float8Linear (row-wise recipe), forward and both gradients: quantised as quantise_rows
-    quantises, each product along its contraction."""
+@needs_fp8
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
+def test_fp8_linear_products_are_the_fp32_products_of_the_dequantised_operands(recipe):
+    """torchao's Float8Linear, forward and both gradients: quantised as quantise_rows quantises, each
+    product along its contraction; rowwise_with_gw_hp keeps the weight gradient a bf16 product."""
     pytest.importorskip("torchao")
     gen = torch.Generator().manual_seed(3)
-    model = nn.Sequential(nn.Linear(64, 48, bias=False))
+    model = nn.Sequential(nn.Linear(64, 48, bias=False)).to(DEVICE)
     weight = model[0].weight
     with torch.no_grad():
         weight.copy_(torch.randn(48, 64, generator=gen) * 0.05)
-    assert fp8.convert_linears(model) == 1
+    assert fp8.convert_linears(model, recipe) == 1
     assert type(model[0]).__name__ == "Float8Linear" and model[0].weight is weight
     assert list(model.state_dict()) == ["0.weight"]   # what the optimiser, checkpoints and the export see
-    x = torch.randn(32, 64, generator=gen, requires_grad=True)
-    upstream = torch.randn(32, 48, generator=gen)
+    x = torch.randn(32, 64, generator=gen).to(DEVICE).requires_grad_()
+    upstream = torch.randn(32, 48, generator=gen).to(DEVICE)
     y = model(x)
     y.backward(upstream)
     w = weight.detach()
-    for actual, a, b in ((y, x.detach(), w.t()),           # x W^T: x per row, W per output row
-                         (x.grad, upstream, w),             # g W: g per row, W per input column
-                         (weight.grad, upstream.t(), x.detach())):   # g^T x: both per column over the rows
-        da = dequantise(*quantise_rows(a)).double()
-        db = dequantise(*quantise_rows(b.t())).double().t()
-        expected = da @ db
-        _assert_within(actual, expected, _accumulation_bound(da, db, expected))   # torchao rounds to bf16
+    products = [(y, x.detach(), w.t(), True),                              # x W^T: x per row, W per output row
+                (x.grad, upstream, w, True),                               # g W: g per row, W per input column
+                (weight.grad, upstream.t(), x.detach(), recipe == "rowwise")]   # g^T x: per column over the rows
+    for actual, a, b, in_fp8 in products:
         exact = a.double() @ b.double()
-        _assert_within(actual, exact, _fp8_bound(a, b, exact))
+        if in_fp8:
+            da = dequantise(*quantise_rows(a)).double()
+            db = dequantise(*quantise_rows(b.t())).double().t()
+            expected = da @ db
+            _assert_within(actual, expected, _accumulation_bound(da, db, expected))   # torchao rounds to bf16
+            _assert_within(actual, exact, _fp8_bound(a, b, exact))
+        else:   # the product in the operands' own precision (fp32 here), fp32 accumulation
+            _assert_within(actual, exact, _accumulation_bound(a.double(), b.double(), exact))
+
+
+def test_the_schema_offers_every_fp8_recipe():
+    from dataclasses import fields
+
+    from launcher.config.schema import DrafterSettings
+    knob = next(f for f in fields(DrafterSettings) if f.name == "fp8_recipe")
+    assert tuple(knob.metadata["choices"]) == fp8.FP8_RECIPES and knob.default == fp8.FP8_RECIPES[0]
 
 
 def test_fp8_linear_layers_refuse_a_shape_fp8_cannot_take():

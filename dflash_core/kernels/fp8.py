@@ -1,9 +1,11 @@
 """FP8 (e4m3) matmuls with row-wise scaling, for `drafter.matmul_precision=fp8`.
 
 Two users:
-  * the drafter's nn.Linear layers, converted to torchao's float8 training (`convert_linears`, the
-    row-wise recipe: every operand of the forward and of both gradient products scaled per row of
-    its contraction), imported only here and only when fp8 is asked for;
+  * the drafter's nn.Linear layers, converted to torchao's float8 training (`convert_linears`, one
+    of torchao's recipes, FP8_RECIPES: `rowwise_with_gw_hp` scales the operands of the forward and
+    input-gradient products per row of their contraction and keeps the weight gradient in bf16,
+    `rowwise` makes that one FP8 too, `tensorwise` has one scale per tensor; what each costs:
+    docs/perf_notes.md, "FP8"), imported only here and only when fp8 is asked for;
   * the frozen LM head (`Fp8HeadWeight`): its weight quantised once into the two layouts its
     products read, the per-call operands (a chunk of hidden rows, a chunk of logit gradients)
     quantised row-wise each call, the products through `torch._scaled_mm` with fp32 accumulation
@@ -25,6 +27,8 @@ ALIGNMENT = 16
 # Elements quantised at a time when the head weight is: bounds the fp32 copy that quantising makes.
 _QUANTISE_ELEMENTS = 1 << 24
 INSTALL_HINT = "pip install -e '.[fp8]'"
+# torchao's float8 training recipes (Float8LinearRecipeName); the first is drafter.fp8_recipe's default.
+FP8_RECIPES = ("rowwise_with_gw_hp", "rowwise", "tensorwise")
 
 
 def unsupported_reason(device: torch.device) -> str | None:
@@ -120,8 +124,8 @@ def torchao_available() -> bool:
     return importlib.util.find_spec("torchao") is not None
 
 
-def convert_linears(model: nn.Module) -> int:
-    """Every nn.Linear of `model` (in place) to torchao's Float8Linear with the row-wise recipe: the
+def convert_linears(model: nn.Module, recipe: str = FP8_RECIPES[0]) -> int:
+    """Every nn.Linear of `model` (in place) to torchao's Float8Linear with `recipe` (FP8_RECIPES): the
     same parameters (names, shapes, dtypes: the state dict, the optimiser and the export see no
     change), FP8 products in forward and backward. Returns how many were converted; a layer whose
     shape FP8 cannot take is an error naming it."""
@@ -131,5 +135,7 @@ def convert_linears(model: nn.Module) -> int:
                              f"must be multiples of {ALIGNMENT} (torch._scaled_mm's alignment)")
     config_class, convert = _torchao_float8()
     count = sum(isinstance(module, nn.Linear) for module in model.modules())
-    convert(model, config=config_class.from_recipe_name("rowwise"))
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"FP8 recipe {recipe!r}: expected one of {FP8_RECIPES}")
+    convert(model, config=config_class.from_recipe_name(recipe))
     return count

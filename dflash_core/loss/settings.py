@@ -7,6 +7,7 @@ evaluate_tau receive it whole.
 from dataclasses import dataclass
 
 from ..drafter.attention import RESOLVED_BACKENDS
+from ..kernels.fp8 import FP8_RECIPES
 from .head_loss import LOSS_TYPES
 
 MATMUL_PRECISIONS = ("bf16", "fp8")
@@ -23,6 +24,7 @@ class StepSettings:
     feature_noise_std: float   # Gaussian noise added to the target features while training
     compiled: bool             # drafter.compile resolved: the layers and the head loss through torch.compile
     matmul_precision: str = "bf16"   # bf16 | fp8: the drafter's linear layers and the LM head's products
+    fp8_recipe: str = FP8_RECIPES[0]  # with fp8: torchao's recipe for the linear layers
     cuda_graph: bool = False         # training calls of the compiled callables as CUDA graphs (reduce-overhead)
 
     def __post_init__(self):
@@ -34,5 +36,7 @@ class StepSettings:
         if self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(f"StepSettings.matmul_precision={self.matmul_precision!r}: expected one of "
                              f"{MATMUL_PRECISIONS}")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ValueError(f"StepSettings.fp8_recipe={self.fp8_recipe!r}: expected one of {FP8_RECIPES}")
         if self.cuda_graph and not self.compiled:
             raise ValueError("StepSettings.cuda_graph=True: needs compiled=True (the graphs are torch.compile's)")

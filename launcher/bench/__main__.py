@@ -15,7 +15,6 @@ launcher/bench/options.py. Prints progress as it goes and one table last; writes
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
 import json
@@ -24,20 +23,20 @@ import shutil
 import sys
 import tempfile
 import time
-from functools import cached_property, partial
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from dflash_core.target.shapes import SHAPES
 from launcher.bench.ceiling import matmul_ceiling, plausible_peak, usable_ceiling
 from launcher.bench.fp8_rows import measure_fp8_ceiling, measure_fp8_drafter
-from launcher.bench.inputs import run_overrides, write_bench_target, write_mix_conversations, write_synthetic_data
+from launcher.bench.inputs import write_bench_target, write_mix_conversations, write_synthetic_data
 from launcher.bench.mix import REFERENCE_LENGTH, builtin_mix, mix_batches, mix_from_file, synthesize_samples
 from launcher.bench.options import answer_flags, parse_args
 from launcher.bench.report import Row, format_table
 from launcher.bench.rows import balance_rows, baseline_row, e2e_row, load_stage_rates, measured, stage_rates
+from launcher.bench.session import Bench
 from launcher.bench.stages import (
     REPO,
     Workload,
@@ -51,7 +50,6 @@ from launcher.bench.stages import (
 )
 
 if TYPE_CHECKING:
-    from launcher.distributed.topology import Topology
     from launcher.job import Job
 
 
@@ -77,58 +75,6 @@ def run(args) -> dict:
     if not args.work_dir:
         shutil.rmtree(bench.work, ignore_errors=True)
     return {"meta": meta, "rows": sorted(bench.rows, key=lambda r: r["n"])}
-
-
-@dataclasses.dataclass
-class Bench:
-    """What every row of one run shares: the options, the device, the scratch dir, the bench target
-    with the full rows' data, and the rows so far."""
-    args: argparse.Namespace
-    device: torch.device
-    device_name: str
-    num_gpus: int
-    work: Path
-    target_dir: Path
-    data_path: Path
-    data_info: dict | None
-    rows: list[dict] = dataclasses.field(default_factory=list)
-
-    @property
-    def cuda(self) -> bool:
-        return self.device.type == "cuda"
-
-    @property
-    def processes(self) -> int:
-        """Processes of the end-to-end runs: one per GPU, or two on the CPU."""
-        return self.num_gpus if self.cuda else 2
-
-    @property
-    def shape_name(self) -> str:
-        return "tiny" if self.args.tiny else self.args.shape
-
-    @cached_property
-    def e2e_topology(self) -> Topology:
-        from launcher.distributed.topology import parse_topology
-
-        spec, procs = self.args.e2e_topology, self.processes
-        return parse_topology(spec or f"t1d{max(procs - 1, 1)}", None if spec and procs < 2 else max(procs, 2), 1)
-
-    def overrides(self, data_path: Path, seq_len: int, steps: int, *more: str) -> list[str]:
-        """The training overrides of the drafter-alone and end-to-end rows, so both train the same
-        drafter: run_overrides, then `more`, then --set's (which win)."""
-        args = self.args
-        shared = run_overrides(target_dir=self.target_dir, data_path=data_path, seq_len=seq_len, steps=steps,
-                               tiny=args.tiny, anchors=args.anchors, work=self.work,
-                               mask_token_id=SHAPES[args.shape].mask_token_id or "auto")
-        on_cpu = [] if self.cuda else ["run.device=cpu"]   # --tiny on a GPU stays on the CPU
-        return shared + list(more) + on_cpu + list(args.overrides)
-
-    def record(self, n: Row, name: str, measure, *args, skipped: str | None = None) -> dict | None:
-        """Row n, measured by measure(*args) (see rows.measured), kept; None when skipped or failed."""
-        row = measured(self.rows, n, name, measure, *args, skipped=skipped)
-        if row:
-            self.rows.append(row)
-        return row
 
 
 # ------------------------------------------------------------------------------ set-up

@@ -15,7 +15,7 @@ from launcher.bench.rows import measured
 from launcher.bench.stages import drafter_stage, progress
 
 if TYPE_CHECKING:
-    from launcher.bench.__main__ import Bench
+    from launcher.bench.session import Bench
     from launcher.bench.stages import Workload
 
 FP8_OVERRIDE = "drafter.matmul_precision=fp8"

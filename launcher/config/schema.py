@@ -74,6 +74,10 @@ class DrafterSettings:
     matmul_precision: str = knob("bf16", "bf16 | fp8: the linear layers and the frozen LM head's products in FP8 with "
                                           "row-wise scales (CUDA capability >= 8.9, the [fp8] extra); master "
                                           "weights, optimiser and loss stay fp32", choices=("bf16", "fp8"))
+    fp8_recipe: str = knob("rowwise_with_gw_hp", "with matmul_precision=fp8, torchao's recipe for the linear layers: "
+                                                  "rowwise_with_gw_hp (row-wise scales; the weight gradient in bf16) | "
+                                                  "rowwise (that one in FP8 too) | tensorwise (one scale per tensor)",
+                           choices=("rowwise_with_gw_hp", "rowwise", "tensorwise"))
     cuda_graph: bool = knob(False, "replay a training step's compiled layers and norms as CUDA graphs "
                                    "(torch.compile mode reduce-overhead); needs a GPU, data.fixed_length and "
                                    "drafter.compile")

@@ -93,7 +93,7 @@ class DrafterTrainer:
         else:
             self.head = FrozenTargetHead.from_target_dir(job.target.path, device=self.device, dtype=self.amp_dtype)
         if job.step.matmul_precision == "fp8":   # before the optimiser: it holds the converted layers' weights
-            fp8.convert_linears(self.drafter)
+            fp8.convert_linears(self.drafter, job.step.fp8_recipe)
             self.head.use_fp8()
         use_cuda_graphs(job.step.cuda_graph)
         o = job.optim
