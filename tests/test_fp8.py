@@ -137,7 +137,7 @@ def test_the_head_loss_in_fp8_stays_close_to_bf16():
     weights = (torch.rand(1, 6, 8, generator=gen) > 0.2).float().to(DEVICE)
     weights[..., 0] = 0
     head = FrozenTargetHead.random(512, 64, seed=2, device=DEVICE, dtype=torch.bfloat16)
-    settings = dict(loss_type="dflash", gamma=7.0, alpha=0.5, chunk_blocks=4, compiled=False)
+    settings = dict(loss="dflash", gamma=7.0, dpace_alpha=0.5, chunk_blocks=4, compiled=False)
 
     def loss_and_grad():
         leaf = h.clone().requires_grad_()

@@ -32,15 +32,15 @@ for block in (head_loss_kernels.BLOCK, 256):   # one ragged chunk per row; sever
     head_loss_kernels.BLOCK = block
     for dtype in (torch.float32, torch.bfloat16):
         for vocab in (1000, 1037):
-            for loss_type in ("dflash", "dpace"):
-                case = f"BLOCK={block} {dtype} V={vocab} {loss_type}"
+            for loss in ("dflash", "dpace"):
+                case = f"BLOCK={block} {dtype} V={vocab} {loss}"
                 gen = torch.Generator().manual_seed(vocab)
                 logits, labels = logits_and_labels(vocab, dtype, gen)
                 weights = (torch.rand(2, 3, 4, generator=gen) > 0.3).float()
                 weights[..., 0] = 0
-                want = head_loss_terms(logits, labels, weights, loss_type, 4.0, 0.5)
+                want = head_loss_terms(logits, labels, weights, loss, 4.0, 0.5)
                 consumed = logits.clone()
-                got = head_loss_terms(consumed, labels, weights, loss_type, 4.0, 0.5, kernels=triton_kernels())
+                got = head_loss_terms(consumed, labels, weights, loss, 4.0, 0.5, kernels=triton_kernels())
                 try:
                     assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in want]
                     torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-5, msg=lambda m: "ce: " + m)
@@ -99,8 +99,8 @@ def _milliseconds(fn, repeats: int = 20) -> float:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_kernels_match_the_compiled_terms_at_the_production_shape(loss_type):
+@pytest.mark.parametrize("loss", LOSS_TYPES)
+def test_kernels_match_the_compiled_terms_at_the_production_shape(loss):
     """2048 x 151936 bf16 logits: CE within 1e-4 (fp32 sums over V in another order), final weights
     within 1e-4 relative, the same argmax hits, the gradient within bf16's rounding and zero where
     the weight is. Prints both versions' time per chunk."""
@@ -109,8 +109,8 @@ def test_kernels_match_the_compiled_terms_at_the_production_shape(loss_type):
     def head_loss_terms_triton(*args):
         return head_loss_terms(*args, kernels=triton_kernels())
     logits, labels, weights = _chunk()
-    want = compiled_head_loss_terms(logits, labels, weights, loss_type, 7.0, 0.5)
-    got = head_loss_terms_triton(logits.clone(), labels, weights, loss_type, 7.0, 0.5)
+    want = compiled_head_loss_terms(logits, labels, weights, loss, 7.0, 0.5)
+    got = head_loss_terms_triton(logits.clone(), labels, weights, loss, 7.0, 0.5)
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-4)
     torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-6)
     assert torch.equal(got[2], want[2])
@@ -119,9 +119,9 @@ def test_kernels_match_the_compiled_terms_at_the_production_shape(loss_type):
     # The kernels overwrite their input, so they are timed on one buffer holding the last call's
     # gradient: the same work, whatever the values.
     buffer = logits.clone()
-    kernels = _milliseconds(lambda: head_loss_terms_triton(buffer, labels, weights, loss_type, 7.0, 0.5))
-    compiled = _milliseconds(lambda: compiled_head_loss_terms(logits, labels, weights, loss_type, 7.0, 0.5))
-    print(f"\nhead-loss terms, {tuple(logits.shape)} bf16, {loss_type}: Triton kernels {kernels:.3f} ms, "
+    kernels = _milliseconds(lambda: head_loss_terms_triton(buffer, labels, weights, loss, 7.0, 0.5))
+    compiled = _milliseconds(lambda: compiled_head_loss_terms(logits, labels, weights, loss, 7.0, 0.5))
+    print(f"\nhead-loss terms, {tuple(logits.shape)} bf16, {loss}: Triton kernels {kernels:.3f} ms, "
           f"torch.compile {compiled:.3f} ms per chunk")
 
 

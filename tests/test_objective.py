@@ -122,7 +122,7 @@ def test_step_with_an_oracle_drafter_hits_every_label():
 
 def test_dflash_weights_decay_from_slot_one():
     weights = torch.tensor([[[0.0, 1.0, 1.0, 0.0]]])
-    got = loss_weights(torch.zeros(1, 1, 4), weights, loss_type="dflash", gamma=2.0, alpha=0.5)
+    got = loss_weights(torch.zeros(1, 1, 4), weights, loss="dflash", gamma=2.0, dpace_alpha=0.5)
     assert torch.allclose(got, torch.tensor([[[0.0, 1.0, math.exp(-0.5), 0.0]]]))
 
 
@@ -134,7 +134,7 @@ def test_dpace_weights_are_suffix_sums_of_acceptance_prefixes():
     prefix = [math.prod(q[1:k + 1]) for k in range(5)]
     expected = [w * sum(prefix[j] * weights.flatten()[j] for j in range(k, 5))
                 for k, w in enumerate(weights.flatten().tolist())]
-    got = loss_weights(ce, weights, loss_type="dpace", gamma=None, alpha=alpha)
+    got = loss_weights(ce, weights, loss="dpace", gamma=None, dpace_alpha=alpha)
     assert torch.allclose(got.flatten(), torch.tensor(expected))
 
 
@@ -155,7 +155,7 @@ def test_loss_chunking_does_not_change_loss_or_gradients():
             torch.testing.assert_close(got, want)
 
 
-def split_gradients(drafter, head, batch, anchors, keep, *, ranks, accum, loss_type,
+def split_gradients(drafter, head, batch, anchors, keep, *, ranks, accum, loss,
                     normalise_globally=True):
     """Simulate `ranks` drafter ranks x `accum` micro-steps on one global batch, the way the
     launcher does it: backward each loss_sum, all-reduce the weight sums, scale every rank's
@@ -167,7 +167,7 @@ def split_gradients(drafter, head, batch, anchors, keep, *, ranks, accum, loss_t
     for index, rows in enumerate(pieces):
         rank = index // accum
         out = drafter_step(replicas[rank], head, input_ids[rows], loss_mask[rows], hidden[rows],
-                           step_settings(drafter, loss=loss_type, chunk_blocks=2),
+                           step_settings(drafter, loss=loss, chunk_blocks=2),
                            fixed_anchors=(anchors[rows], keep[rows]))
         if normalise_globally:
             out.loss_sum.backward()
@@ -182,20 +182,20 @@ def split_gradients(drafter, head, batch, anchors, keep, *, ranks, accum, loss_t
     return grads
 
 
-@pytest.mark.parametrize("loss_type", ["dflash", "dpace"])
-def test_gradient_is_independent_of_the_rank_and_accumulation_split(loss_type):
+@pytest.mark.parametrize("loss", ["dflash", "dpace"])
+def test_gradient_is_independent_of_the_rank_and_accumulation_split(loss):
     batch = random_batch(rows=4, seq_len=24)
     drafter, head = tiny_drafter(), FrozenTargetHead.random(VOCAB, HIDDEN, seed=1)
     anchors, keep = sample_anchors(batch[1], 6, torch.Generator().manual_seed(0))
     reference = split_gradients(drafter, head, batch, anchors, keep, ranks=1, accum=1,
-                                loss_type=loss_type)
+                                loss=loss)
     for ranks, accum in [(2, 1), (1, 2), (2, 2)]:
         got = split_gradients(drafter, head, batch, anchors, keep, ranks=ranks, accum=accum,
-                              loss_type=loss_type)
+                              loss=loss)
         for g, r in zip(got, reference):
             torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
     naive = split_gradients(drafter, head, batch, anchors, keep, ranks=2, accum=2,
-                            loss_type=loss_type, normalise_globally=False)
+                            loss=loss, normalise_globally=False)
     assert not all(torch.allclose(g, r, rtol=1e-3) for g, r in zip(naive, reference))
 
 
@@ -239,8 +239,8 @@ def test_evaluate_tau_counts_misses():
     assert result["tau"] < 1.5 and max(result["acc_k"]) < 0.5 and result["eal"] < 1.5
 
 
-@pytest.mark.parametrize("loss_type", ["dflash", "dpace"])
-def test_fused_head_loss_matches_plain_autograd(loss_type):
+@pytest.mark.parametrize("loss", ["dflash", "dpace"])
+def test_fused_head_loss_matches_plain_autograd(loss):
     """The gradient formed in the forward pass equals autograd through the logits (5 blocks in
     chunks of 2: a ragged last chunk)."""
     from dflash_core.loss.head_loss import FusedHeadLoss
@@ -250,10 +250,10 @@ def test_fused_head_loss_matches_plain_autograd(loss_type):
     labels = torch.randint(0, VOCAB, (2, 5, 4), generator=generator)
     weights = (torch.rand(2, 5, 4, generator=generator) > 0.3).double()
     weights[..., 0] = 0
-    fused = FusedHeadLoss.apply(h, head.lm_head_weight, labels, weights, 2, loss_type, 4.0, 0.5, False)
+    fused = FusedHeadLoss.apply(h, head.lm_head_weight, labels, weights, 2, loss, 4.0, 0.5, False)
     logits = head.logits(h.reshape(-1, HIDDEN)).float()
     ce = F.cross_entropy(logits, labels.flatten(), reduction="none").view_as(weights)
-    final = loss_weights(ce.detach(), weights, loss_type=loss_type, gamma=4.0, alpha=0.5)
+    final = loss_weights(ce.detach(), weights, loss=loss, gamma=4.0, dpace_alpha=0.5)
     plain = (final * ce).sum(), final.sum(), (logits.argmax(-1) == labels.flatten()).view_as(labels)
     # An upstream gradient other than 1 checks that backward scales the saved gradient.
     (grad_fused,), (grad_plain,) = (torch.autograd.grad(out[0] * 3.0, h) for out in (fused, plain))

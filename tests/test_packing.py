@@ -59,25 +59,25 @@ def split_anchors(anchors, keep):
     return per_doc
 
 
-def step(model, head, batch, anchors, loss_type, position_ids=None):
+def step(model, head, batch, anchors, loss, position_ids=None):
     model.zero_grad()
-    out = drafter_step(model, head, *batch, step_settings(model, loss=loss_type, chunk_blocks=3),
+    out = drafter_step(model, head, *batch, step_settings(model, loss=loss, chunk_blocks=3),
                        position_ids=position_ids, fixed_anchors=anchors)
     out.loss_sum.backward()
     return out, [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("loss_type", ["dflash", "dpace"])
-def test_packed_row_loss_and_gradients_equal_its_documents_alone(loss_type):
+@pytest.mark.parametrize("loss", ["dflash", "dpace"])
+def test_packed_row_loss_and_gradients_equal_its_documents_alone(loss):
     docs, model, head = documents(), drafter(), FrozenTargetHead.random(VOCAB, HIDDEN, seed=1)
     *batch, position_ids = packed_row(docs)
     anchors, keep = sample_anchors(batch[1], 16, torch.Generator().manual_seed(0), position_ids)
     assert keep.all(), "the row has more candidates than anchor slots: every slot is a real block"
-    packed, packed_grads = step(model, head, batch, (anchors, keep), loss_type, position_ids)
+    packed, packed_grads = step(model, head, batch, (anchors, keep), loss, position_ids)
 
     alone_loss, alone_grads, alone_counts = 0.0, None, None
     for (ids, mask, hidden), doc_anchors in zip(docs, split_anchors(anchors, keep)):
-        out, grads = step(model, head, (ids[None], mask[None], hidden[None]), doc_anchors, loss_type)
+        out, grads = step(model, head, (ids[None], mask[None], hidden[None]), doc_anchors, loss)
         alone_loss = alone_loss + out.loss_sum.detach()
         alone_grads = grads if alone_grads is None else [a + g for a, g in zip(alone_grads, grads)]
         alone_counts = out.counts if alone_counts is None else alone_counts + out.counts
@@ -88,7 +88,7 @@ def test_packed_row_loss_and_gradients_equal_its_documents_alone(loss_type):
         torch.testing.assert_close(getattr(packed.counts, field), getattr(alone_counts, field), **TOLERANCE)
 
     # The same row read as one document differs: the document rules did something.
-    unaware, _ = step(model, head, batch, (anchors, keep), loss_type)
+    unaware, _ = step(model, head, batch, (anchors, keep), loss)
     assert not torch.allclose(unaware.loss_sum, packed.loss_sum, **TOLERANCE)
 
 

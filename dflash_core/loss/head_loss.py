@@ -22,20 +22,20 @@ from ..kernels.fp8 import quantise_rows
 LOSS_TYPES = ("dflash", "dpace")
 
 
-def loss_weights(ce, weights, *, loss_type, gamma, alpha):
+def loss_weights(ce, weights, *, loss, gamma, dpace_alpha):
     """Per-position loss weights [B, c, Bs] from the 0/1 label weights (ce is detached).
     dflash: w * exp(-(k-1)/gamma).
-    dpace:  q' = (1-alpha) exp(-ce) + alpha, prefix = cumprod of q' over slots 1..k,
+    dpace:  q' = (1-dpace_alpha) exp(-ce) + dpace_alpha, prefix = cumprod of q' over slots 1..k,
             weight_k = w_k * sum_{j>=k} prefix_j w_j  (d E[accepted] / d log q'_k)."""
     slot = torch.arange(weights.shape[-1], device=weights.device, dtype=weights.dtype)
-    if loss_type == "dflash":
+    if loss == "dflash":
         return weights * torch.exp(-(slot - 1) / gamma)
-    if loss_type == "dpace":
-        q = (1 - alpha) * torch.exp(-ce) + alpha
+    if loss == "dpace":
+        q = (1 - dpace_alpha) * torch.exp(-ce) + dpace_alpha
         q[..., 0] = 1.0  # slot 0 is given, not drafted
         reach = torch.cumprod(q, dim=-1) * weights
         return weights * reach.flip(-1).cumsum(-1).flip(-1)
-    raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
+    raise ValueError(f"unknown loss {loss!r}; expected one of {LOSS_TYPES}")
 
 
 class RowKernels(NamedTuple):
@@ -67,12 +67,12 @@ def triton_kernels() -> RowKernels:
     return RowKernels(kernels.row_statistics, kernels.gradient_in_place)
 
 
-def head_loss_terms(logits, labels, weights, loss_type, gamma, alpha, kernels=TORCH_KERNELS, with_gradient=True):
+def head_loss_terms(logits, labels, weights, loss, gamma, dpace_alpha, kernels=TORCH_KERNELS, with_gradient=True):
     """One chunk's (ce, final weights [B, c, Bs], argmax hits, d(weighted CE sum)/d(logits) or None)."""
     flat_labels = labels.reshape(-1)
     log_z, ce, argmax = kernels.statistics(logits, flat_labels)
     ce = ce.view_as(weights)
-    final = loss_weights(ce, weights, loss_type=loss_type, gamma=gamma, alpha=alpha)
+    final = loss_weights(ce, weights, loss=loss, gamma=gamma, dpace_alpha=dpace_alpha)
     correct = (argmax == flat_labels).view_as(labels)
     grad_logits = kernels.gradient(logits, flat_labels, log_z, final.reshape(-1)) if with_gradient else None
     return ce, final, correct, grad_logits
@@ -96,7 +96,7 @@ class FusedHeadLoss(torch.autograd.Function):
     FP8 products replace the two bf16 ones (None: bf16)."""
 
     @staticmethod
-    def forward(ctx, h, head_weight, labels, weights, chunk_blocks, loss_type, gamma, alpha, compiled, fp8=None):
+    def forward(ctx, h, head_weight, labels, weights, chunk_blocks, loss, gamma, dpace_alpha, compiled, fp8=None):
         if not compiled:
             terms = head_loss_terms
         elif h.is_cuda:
@@ -111,7 +111,7 @@ class FusedHeadLoss(torch.autograd.Function):
             part = slice(start, start + chunk_blocks)
             rows = h[:, part].reshape(-1, h.shape[-1]).to(head_weight.dtype)
             logits = rows @ head_weight.T if fp8 is None else fp8.logits(rows, quantise)
-            ce, final, hit, grad_logits = terms(logits, labels[:, part], weights[:, part], loss_type, gamma, alpha)
+            ce, final, hit, grad_logits = terms(logits, labels[:, part], weights[:, part], loss, gamma, dpace_alpha)
             grad_rows = grad_logits @ head_weight if fp8 is None else fp8.input_gradient(grad_logits, quantise)
             grad_h[:, part] = grad_rows.view_as(grad_h[:, part])
             loss_sum = loss_sum + (final * ce).sum()
@@ -128,11 +128,11 @@ class FusedHeadLoss(torch.autograd.Function):
         return grad_h * grad_loss.to(grad_h.dtype), None, None, None, None, None, None, None, None, None
 
 
-def head_loss(h, head, labels, weights, *, loss_type, gamma, alpha, chunk_blocks, compiled):
+def head_loss(h, head, labels, weights, *, loss, gamma, dpace_alpha, chunk_blocks, compiled):
     """h [B, N, Bs, H] -> (weighted CE sum, weight sum, argmax == label [B, N, Bs]); with grad
     enabled through `FusedHeadLoss`, without it (evaluation) by the same terms, chunk by chunk."""
     if torch.is_grad_enabled():
-        return FusedHeadLoss.apply(h, head.lm_head_weight, labels, weights, chunk_blocks, loss_type, gamma, alpha,
+        return FusedHeadLoss.apply(h, head.lm_head_weight, labels, weights, chunk_blocks, loss, gamma, dpace_alpha,
                                    compiled, head.fp8)
     loss_sum, weight_sum, correct = 0.0, 0.0, []
     for start in range(0, h.shape[1], chunk_blocks):
@@ -140,7 +140,7 @@ def head_loss(h, head, labels, weights, *, loss_type, gamma, alpha, chunk_blocks
         # One [rows, H] x [H, V] GEMM: a 4-D slice can make matmul fall back to a batched GEMM of
         # Bs-row blocks that re-reads the whole LM head per block.
         logits = head.logits(h[:, part].reshape(-1, h.shape[-1]))
-        ce, final, hit, _ = head_loss_terms(logits, labels[:, part], weights[:, part], loss_type, gamma, alpha,
+        ce, final, hit, _ = head_loss_terms(logits, labels[:, part], weights[:, part], loss, gamma, dpace_alpha,
                                             with_gradient=False)
         loss_sum = loss_sum + (final * ce).sum()
         weight_sum = weight_sum + final.sum()

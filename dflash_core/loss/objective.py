@@ -135,8 +135,8 @@ def _run_blocks(drafter, head, input_ids, loss_mask, position_ids, features, anc
                 compiled=settings.compiled)
     h = h.view(*anchors.shape, cfg.block_size, -1)
     labels, weights = block_labels(input_ids, loss_mask, anchors, keep, cfg.block_size, position_ids)
-    loss_sum, weight_sum, correct = head_loss(h, head, labels, weights, loss_type=settings.loss, gamma=settings.gamma,
-                                              alpha=settings.dpace_alpha, chunk_blocks=settings.chunk_blocks,
+    loss_sum, weight_sum, correct = head_loss(h, head, labels, weights, loss=settings.loss, gamma=settings.gamma,
+                                              dpace_alpha=settings.dpace_alpha, chunk_blocks=settings.chunk_blocks,
                                               compiled=settings.compiled)
     return loss_sum, weight_sum, correct, weights
 
