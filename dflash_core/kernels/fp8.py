@@ -8,8 +8,9 @@ Two users:
     docs/perf_notes.md, "FP8"), imported only here and only when fp8 is asked for;
   * the frozen LM head (`Fp8HeadWeight`): its weight quantised once into the two layouts its
     products read, the per-call operands (a chunk of hidden rows, a chunk of logit gradients)
-    quantised row-wise each call, the products through `torch._scaled_mm` with fp32 accumulation
-    and a bf16 result.
+    quantised row-wise each call, the products through `torch._scaled_mm` with an fp32 accumulator
+    (on Hopper its FP8 tensor cores keep partial sums in less than fp32, which cuBLAS promotes) and
+    a bf16 result.
 
 Scales are powers of two, as torchao's row-wise recipe has them: dividing by one is exact, so a
 value's only error is its rounding to e4m3 (3 mantissa bits). Nothing here is exported with the
@@ -58,7 +59,7 @@ def dequantise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def scaled_product(a_q, a_scale, b_q_t, b_scale, out_dtype=torch.bfloat16) -> torch.Tensor:
-    """(a_q * a_scale) @ (b_q_t * b_scale) accumulated in fp32: a_q [M, K] row-major with a_scale [M, 1];
+    """(a_q * a_scale) @ (b_q_t * b_scale) into an fp32 accumulator: a_q [M, K] row-major with a_scale [M, 1];
     b_q_t [K, N] column-major (the transpose of a row-major [N, K]) with b_scale [1, N]."""
     return torch._scaled_mm(a_q, b_q_t, scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype)
 
@@ -129,13 +130,13 @@ def convert_linears(model: nn.Module, recipe: str = FP8_RECIPES[0]) -> int:
     same parameters (names, shapes, dtypes: the state dict, the optimiser and the export see no
     change), FP8 products in forward and backward. Returns how many were converted; a layer whose
     shape FP8 cannot take is an error naming it."""
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"FP8 recipe {recipe!r}: expected one of {FP8_RECIPES}")
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and (module.in_features % ALIGNMENT or module.out_features % ALIGNMENT):
             raise ValueError(f"FP8 linear layers: {name} is {module.in_features} -> {module.out_features}; both "
                              f"must be multiples of {ALIGNMENT} (torch._scaled_mm's alignment)")
     config_class, convert = _torchao_float8()
     count = sum(isinstance(module, nn.Linear) for module in model.modules())
-    if recipe not in FP8_RECIPES:
-        raise ValueError(f"FP8 recipe {recipe!r}: expected one of {FP8_RECIPES}")
     convert(model, config=config_class.from_recipe_name(recipe))
     return count
