@@ -1,7 +1,7 @@
 """FP8 loss parity and step time on one GPU (issue 29): the same data, seed and steps in bf16, in
 drafter.matmul_precision=fp8 and with drafter.cuda_graph, side by side.
 
-    python scripts/fp8_parity.py                     # 500 steps each of bf16, fp8, bf16_graph
+    python scripts/fp8_parity.py                     # 500 steps each of bf16, bf16_again, fp8
     python scripts/fp8_parity.py --runs bf16,fp8 --steps 200 --seq 2048
 
 fp8 needs torchao: `pip install -e '.[fp8]'`, or offline from a wheel saved in .whl/ (`pip download
@@ -16,10 +16,14 @@ bench row does. Not launcher.train under torchrun: on one GPU its target rank wo
 and hand the drafter its features through gloo, which would cost more of the time budget than the
 drafter's steps themselves.
 
-The data is learnable, so that the curves fall and tau means something: rows are concatenations of
-fixed random phrases (PHRASE_LENGTH tokens each, drawn from PHRASES phrases), and the target feature
-of each position is a fixed random vector of its token (what a target's hidden states carry). Step i
-trains on row i of the stream for every run; the held-out rows come from another seed.
+The data is learnable, so that the curves fall and tau means something, and learnt smoothly, so that
+reruns agree: rows are walks of a fixed random Markov chain (each of TOKEN_IDS tokens is followed by
+one of SUCCESSORS tokens with SUCCESSOR_PROBS), and the target feature of each position is a fixed
+random vector of its token (what a target's hidden states carry). Predicting slot k of a block is
+learning the chain's k-step transitions from the anchor's token: a direct map that falls steadily.
+(Session 13's rows of recalled phrases needed an attention circuit that forms abruptly, at a step
+that varied by run: bf16 reruns differed by 5.7%, so 1% could not be judged.) Step i trains on row i
+of the stream for every run; the held-out rows come from another seed.
 
 Prints and writes to $OUT/fp8_parity.json (OUT: an environment variable, default /tmp): per run the
 loss curve, the held-out tau and loss, the median step time after --warmup-steps (each step timed
@@ -45,16 +49,18 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-RUNS = {"bf16": [], "fp8": ["drafter.matmul_precision=fp8"], "bf16_graph": ["drafter.cuda_graph=true"],
+# bf16_again repeats bf16 exactly: how far two bf16 runs drift apart is the floor any parity figure sits on.
+RUNS = {"bf16": [], "bf16_again": [], "fp8": ["drafter.matmul_precision=fp8"],
+        "bf16_graph": ["drafter.cuda_graph=true"],
         "fp8_graph": ["drafter.matmul_precision=fp8", "drafter.cuda_graph=true"]}
-PHRASES, PHRASE_LENGTH, TOKEN_IDS = 256, 8, 1024
+TOKEN_IDS, SUCCESSORS, SUCCESSOR_PROBS = 1024, 4, (0.7, 0.15, 0.1, 0.05)
 HELD_OUT_SEED, HELD_OUT_ROWS = 10**6, 4
 LOSS_PARITY, TAU_PARITY = 0.01, 0.02   # the issue's acceptance: loss curves within 1%, held-out tau within 2%
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", default="bf16,fp8,bf16_graph", help=f"comma-separated, of {', '.join(RUNS)}")
+    p.add_argument("--runs", default="bf16,bf16_again,fp8", help=f"comma-separated, of {', '.join(RUNS)}")
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--seq", type=int, default=4096, help="data.fixed_length")
     p.add_argument("--anchors", type=int, default=512)
@@ -80,21 +86,25 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------------------ the data
-class PhraseStream:
-    """Rows of random phrases and their token features, a pure function of (seed, row index)."""
+class MarkovStream:
+    """Walks of a fixed random Markov chain and their token features, a pure function of (seed, row index)."""
 
     def __init__(self, seq_len: int, feature_width: int, device: torch.device, seed: int = 0):
         gen = torch.Generator().manual_seed(seed)
-        self.phrases = torch.randint(0, TOKEN_IDS, (PHRASES, PHRASE_LENGTH), generator=gen).to(device)
+        self.successors = torch.randint(0, TOKEN_IDS, (TOKEN_IDS, SUCCESSORS), generator=gen).tolist()
         self.features = torch.randn(TOKEN_IDS, feature_width, generator=gen).to(device, torch.bfloat16)
         self.seq_len, self.device = seq_len, device
 
     def batch(self, index: int, seed_offset: int = 0):
         from launcher.distributed.channel import FeatureBatch
         gen = torch.Generator().manual_seed(seed_offset + index)
-        count = -(-self.seq_len // PHRASE_LENGTH)
-        choice = torch.randint(0, PHRASES, (count,), generator=gen).to(self.device)
-        ids = self.phrases[choice].flatten()[: self.seq_len].unsqueeze(0)
+        picks = torch.multinomial(torch.tensor(SUCCESSOR_PROBS), self.seq_len, replacement=True, generator=gen)
+        token = int(torch.randint(0, TOKEN_IDS, (1,), generator=gen))
+        walk = []
+        for pick in picks.tolist():
+            walk.append(token)
+            token = self.successors[token][pick]
+        ids = torch.tensor(walk, device=self.device).unsqueeze(0)
         return FeatureBatch(index, ids, torch.ones_like(ids), torch.arange(self.seq_len, device=self.device)
                             .unsqueeze(0), self.features[ids], self.seq_len)
 
@@ -132,7 +142,7 @@ def run_one(args) -> dict:
     try:
         with torch.device(device):
             trainer = DrafterTrainer(job, dist.group.WORLD)
-        stream = PhraseStream(args.seq, job.target.feature_width, device, seed=job.run.seed)
+        stream = MarkovStream(args.seq, job.target.feature_width, device, seed=job.run.seed)
         held_out = [stream.batch(i, HELD_OUT_SEED) for i in range(HELD_OUT_ROWS)]
         compile_s = trainer.warm_up(1, args.seq, evaluates=True)
         if cuda:

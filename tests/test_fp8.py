@@ -322,10 +322,10 @@ def test_the_parity_script_compares_smoothed_curves_and_tau_on_the_same_data():
     assert list(against) == ["fp8"]
     assert against["fp8"]["max_rel_loss_diff"] == pytest.approx(0.015) and not against["fp8"]["loss_within_1pct"]
     assert against["fp8"]["tau_within_2pct"] and against["fp8"]["speedup_vs_bf16"] == pytest.approx(1.3)
-    stream = parity.PhraseStream(64, 16, torch.device("cpu"))
+    stream = parity.MarkovStream(64, 16, torch.device("cpu"))
     first, again, other = stream.batch(3), stream.batch(3), stream.batch(4)
     assert torch.equal(first.input_ids, again.input_ids) and not torch.equal(first.input_ids, other.input_ids)
     assert first.input_ids.shape == (1, 64) and first.hidden.shape == (1, 64, 16)
-    phrase = first.input_ids[0, :parity.PHRASE_LENGTH]
-    assert (stream.phrases == phrase).all(dim=1).any()   # rows are whole phrases
+    walk = first.input_ids[0].tolist()
+    assert all(after in stream.successors[before] for before, after in zip(walk, walk[1:]))   # the chain's steps
     assert torch.equal(first.hidden[0, 5], stream.features[first.input_ids[0, 5]])   # a token's feature

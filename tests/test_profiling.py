@@ -1,6 +1,6 @@
 import pytest
 
-from launcher.bench.profiling import format_breakdown, kernel_breakdown, kernel_category
+from launcher.bench.profiling import format_breakdown, format_top_kernels, kernel_breakdown, kernel_category
 
 
 @pytest.mark.parametrize("name, category", [
@@ -30,5 +30,8 @@ def test_breakdown_sums_per_step_and_books_the_rest_as_gaps():
     assert breakdown["gap_ms_per_step"] == pytest.approx(7.0)
     assert breakdown["top_kernels"][0] == {"name": "nvjet_a", "ms_per_step": 85.0}
     assert "gaps 7.0" in format_breakdown(breakdown)
+    assert breakdown["top_kernels_by_category"]["gemm"] == [
+        {"name": "nvjet_a", "ms_per_step": 85.0, "launches_per_step": 1.0}]
+    assert "   5.000 ms    0.5x  triton_poi_fused_add_2" in format_top_kernels(breakdown)
     # Overlapping streams can sum to more than the wall time: the gap is then 0, never negative.
     assert kernel_breakdown(kernels, step_ms=100.0, steps=2)["gap_ms_per_step"] == 0.0

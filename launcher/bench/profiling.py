@@ -22,6 +22,10 @@ KERNEL_CATEGORIES = (
 )
 
 
+# Kernels listed per category: enough to see which casts and reductions the compiled glue is made of.
+TOP_PER_CATEGORY = 15
+
+
 def kernel_category(name: str) -> str:
     for category, pattern in KERNEL_CATEGORIES:
         if pattern.search(name):
@@ -33,13 +37,16 @@ def kernel_breakdown(kernels: list[tuple[str, float]], step_ms: float, steps: in
     """kernels: (name, device milliseconds) per kernel event of `steps` steps; step_ms: one step's
     wall time timed without the profiler (whose own host overhead would read as gaps) -> ms per
     step by category, the kernel sum, the gaps (step - kernels, never negative: kernels of two
-    streams may overlap) and the ten costliest kernels."""
+    streams may overlap), the ten costliest kernels, and per category its costliest ones with their
+    launches per step."""
     per_category: dict[str, float] = {}
-    per_kernel: dict[str, float] = {}
+    per_kernel: dict[str, list] = {}   # name -> [category, ms per step, launches per step]
     for name, ms in kernels:
         category = kernel_category(name)
         per_category[category] = per_category.get(category, 0.0) + ms / steps
-        per_kernel[name] = per_kernel.get(name, 0.0) + ms / steps
+        entry = per_kernel.setdefault(name, [category, 0.0, 0.0])
+        entry[1] += ms / steps
+        entry[2] += 1 / steps
     kernel_ms = sum(per_category.values())
     if kernel_ms > 1.05 * step_ms:  # one stream cannot run more kernel time than wall time
         print(f"profile: kernels sum to {kernel_ms:.1f} ms per step, more than the step's {step_ms:.1f} ms: "
@@ -47,8 +54,13 @@ def kernel_breakdown(kernels: list[tuple[str, float]], step_ms: float, steps: in
     return {"wall_ms_per_step": step_ms, "kernel_ms_per_step": kernel_ms,
             "gap_ms_per_step": max(step_ms - kernel_ms, 0.0),
             "ms_per_step": dict(sorted(per_category.items(), key=lambda item: -item[1])),
-            "top_kernels": [{"name": name[:120], "ms_per_step": ms} for name, ms in
-                            sorted(per_kernel.items(), key=lambda item: -item[1])[:10]]}
+            "top_kernels": [{"name": name[:120], "ms_per_step": ms} for name, (_, ms, _) in
+                            sorted(per_kernel.items(), key=lambda item: -item[1][1])[:10]],
+            "top_kernels_by_category": {
+                category: [{"name": name[:160], "ms_per_step": ms, "launches_per_step": launches}
+                           for name, (_, ms, launches) in sorted(per_kernel.items(), key=lambda item: -item[1][1])
+                           if kernel_category(name) == category][:TOP_PER_CATEGORY]
+                for category in per_category}}
 
 
 def _device_kernels(prof) -> list[tuple[str, float]]:
@@ -84,7 +96,7 @@ def profile_steps(step, device: torch.device, sync, step_ms: float, steps: int =
     if on_cuda:
         result["breakdown"] = kernel_breakdown(_device_kernels(prof), step_ms, steps)
     print(f"profile of {steps} drafter steps (sorted by {sort}):\n{table}\n"
-          f"breakdown per step: {format_breakdown(result.get('breakdown'))}\n"
+          f"breakdown per step: {format_breakdown(result.get('breakdown'))}\n{format_top_kernels(result.get('breakdown'))}"
           f"compile times:\n{result['compile_times']}", flush=True)
     return result
 
@@ -95,3 +107,12 @@ def format_breakdown(breakdown: dict | None) -> str:
     parts = [f"{name} {ms:.1f}" for name, ms in breakdown["ms_per_step"].items()]
     return (f"wall {breakdown['wall_ms_per_step']:.1f} ms = kernels {breakdown['kernel_ms_per_step']:.1f} "
             f"({', '.join(parts)}) + gaps {breakdown['gap_ms_per_step']:.1f}")
+
+
+def format_top_kernels(breakdown: dict | None) -> str:
+    """Each category's costliest kernels, one line each: ms and launches per step, name."""
+    lines = []
+    for category, top in (breakdown or {}).get("top_kernels_by_category", {}).items():
+        lines.append(f"{category}:")
+        lines += [f"  {k['ms_per_step']:7.3f} ms {k['launches_per_step']:6.1f}x  {k['name']}" for k in top]
+    return "\n".join(lines) + ("\n" if lines else "")
