@@ -51,16 +51,16 @@ def kernel_breakdown(kernels: list[tuple[str, float]], step_ms: float, steps: in
     if kernel_ms > 1.05 * step_ms:  # one stream cannot run more kernel time than wall time
         print(f"profile: kernels sum to {kernel_ms:.1f} ms per step, more than the step's {step_ms:.1f} ms: "
               "kernels overlapped on several streams, or events were counted twice", flush=True)
+    costliest = sorted(per_kernel.items(), key=lambda item: -item[1][1])
+    by_category: dict[str, list] = {category: [] for category in per_category}
+    for name, (category, ms, launches) in costliest:
+        if len(by_category[category]) < TOP_PER_CATEGORY:
+            by_category[category].append({"name": name[:160], "ms_per_step": ms, "launches_per_step": launches})
     return {"wall_ms_per_step": step_ms, "kernel_ms_per_step": kernel_ms,
             "gap_ms_per_step": max(step_ms - kernel_ms, 0.0),
             "ms_per_step": dict(sorted(per_category.items(), key=lambda item: -item[1])),
-            "top_kernels": [{"name": name[:120], "ms_per_step": ms} for name, (_, ms, _) in
-                            sorted(per_kernel.items(), key=lambda item: -item[1][1])[:10]],
-            "top_kernels_by_category": {
-                category: [{"name": name[:160], "ms_per_step": ms, "launches_per_step": launches}
-                           for name, (_, ms, launches) in sorted(per_kernel.items(), key=lambda item: -item[1][1])
-                           if kernel_category(name) == category][:TOP_PER_CATEGORY]
-                for category in per_category}}
+            "top_kernels": [{"name": name[:120], "ms_per_step": ms} for name, (_, ms, _) in costliest[:10]],
+            "top_kernels_by_category": by_category}
 
 
 def _device_kernels(prof) -> list[tuple[str, float]]:
