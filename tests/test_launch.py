@@ -1,6 +1,5 @@
 """Real multi-process torchrun jobs on CPU (gloo): the whole launcher end to end."""
 import json
-import time
 from collections import Counter
 from pathlib import Path
 
