@@ -12,8 +12,10 @@ from tests.launching import run_in_triton_interpreter
 # Run through run_in_triton_interpreter. Every case compares the kernels with the torch passes on the same
 # logits; failures come back by name.
 _INTERPRETED = """
-import json, torch
+import json, torch, triton
+import triton.language as tl
 from dflash_core.kernels import head_loss as head_loss_kernels
+from dflash_core.kernels.fp8 import quantise_rows
 from dflash_core.loss.head_loss import head_loss_terms, triton_kernels
 
 def logits_and_labels(vocab, dtype, gen):
@@ -27,6 +29,22 @@ def logits_and_labels(vocab, dtype, gen):
     labels[3], labels[4] = 0, vocab - 1
     return logits, labels.view(2, 3, 4)
 
+def onehot(labels, vocab):
+    return torch.nn.functional.one_hot(labels.reshape(-1), vocab).float()
+
+@triton.jit
+def cast_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n).to(y_ptr.dtype.element_ty), mask=offsets < n)
+
+def codes(e4m3):
+    return e4m3.view(torch.uint8).int()
+
+def interpreter_cast(x):
+    y = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+    cast_kernel[(triton.cdiv(x.numel(), 1024),)](x.contiguous(), y, x.numel(), BLOCK=1024)
+    return y
+
 failures = []
 for block in (head_loss_kernels.BLOCK, 256):   # one ragged chunk per row; several, the last ragged
     head_loss_kernels.BLOCK = block
@@ -39,6 +57,7 @@ for block in (head_loss_kernels.BLOCK, 256):   # one ragged chunk per row; sever
                 weights = (torch.rand(2, 3, 4, generator=gen) > 0.3).float()
                 weights[..., 0] = 0
                 want = head_loss_terms(logits, labels, weights, loss, 4.0, 0.5)
+                want_log_z = torch.logsumexp(logits.float(), dim=-1)
                 consumed = logits.clone()
                 got = head_loss_terms(consumed, labels, weights, loss, 4.0, 0.5, kernels=triton_kernels())
                 try:
@@ -53,6 +72,29 @@ for block in (head_loss_kernels.BLOCK, 256):   # one ragged chunk per row; sever
                     assert got[3].data_ptr() == consumed.data_ptr(), "the gradient is not in the logits' storage"
                 except AssertionError as error:
                     failures.append(f"{case}: {error}")
+
+                # The e4m3 gradient: the statistics' peak is the row's largest |softmax - onehot| (to 1e-5: its
+                # log_z sums in another order than torch's), the scales are quantise_rows's of the exact
+                # gradient, the values its quantisation (to one code). The reference is cast
+                # by the interpreter too: its fp32 -> e4m3 conversion is not round-to-nearest (0.1216 becomes
+                # 0.0625), so only the GPU test compares the cast itself with torch's.
+                off_label = torch.exp(logits.float() - want_log_z[:, None]) - onehot(labels, vocab)
+                exact = off_label * want[1].reshape(-1, 1)
+                norm = head_loss_kernels.row_statistics(logits, labels.reshape(-1))[0]
+                q, scale = head_loss_terms(logits, labels, weights, loss, 4.0, 0.5,
+                                           kernels=triton_kernels(e4m3_gradient=True))[3]
+                want_q, want_scale = quantise_rows(exact)
+                try:
+                    torch.testing.assert_close(norm.peak, off_label.abs().amax(1), rtol=1e-5, atol=1e-7,
+                                               msg=lambda m: "peak: " + m)
+                    assert q.shape == (32, vocab) and q.dtype == torch.float8_e4m3fn, (q.shape, q.dtype)
+                    assert torch.equal(scale[:24], want_scale), "scales differ from quantise_rows's"
+                    assert torch.all(q[24:].float() == 0) and torch.all(scale[24:] == 1), "padding rows"
+                    # A last-bit difference of exp or log_z moves the rare value across a rounding boundary.
+                    apart = (codes(q[:24]) - codes(interpreter_cast(exact / want_scale))).abs()
+                    assert (apart > 0).float().mean() < 1e-3 and apart.max() <= 1, "e4m3 values"
+                except AssertionError as error:
+                    failures.append(f"{case} e4m3: {error}")
 print(json.dumps(failures))
 """
 
@@ -61,7 +103,8 @@ def test_kernels_match_the_eager_terms_in_the_interpreter():
     """fp32 and bf16 logits, V = 1000 and 1037, both loss types, the default BLOCK (one ragged
     chunk per row) and BLOCK=256 (the online max and sum across chunks): CE and final weights
     within 1e-5, the same argmax hits (ties included), the gradient within the dtype's rounding,
-    zero where the weight is, and written over the logits."""
+    zero where the weight is, and written over the logits; the e4m3 gradient with quantise_rows's
+    scales and padded to whole 16-row tiles."""
     pytest.importorskip("triton")
     failures = run_in_triton_interpreter(_INTERPRETED)
     assert not failures, "\n".join(failures)
@@ -123,6 +166,41 @@ def test_kernels_match_the_compiled_terms_at_the_production_shape(loss):
     compiled = _milliseconds(lambda: compiled_head_loss_terms(logits, labels, weights, loss, 7.0, 0.5))
     print(f"\nhead-loss terms, {tuple(logits.shape)} bf16, {loss}: Triton kernels {kernels:.3f} ms, "
           f"torch.compile {compiled:.3f} ms per chunk")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_e4m3_gradient_is_quantise_rows_of_the_gradient_at_the_production_shape():
+    """2048 x 151936 bf16 logits: the kernel's e4m3 gradient has quantise_rows's scales of the fp32
+    gradient and its values on all but a few elements, those one e4m3 step apart (the kernel's exp
+    and torch's differ in the last fp32 bit, which moves a value across a rounding boundary). Prints
+    its time per chunk against the bf16 gradient followed by a compiled quantise_rows."""
+    from dflash_core.kernels import head_loss as head_loss_kernels
+    from dflash_core.kernels.fp8 import quantise_rows
+    from dflash_core.loss.head_loss import compiled_quantise_rows, head_loss_terms, loss_weights
+    logits, labels, weights = _chunk()
+    flat = labels.reshape(-1)
+    norm, ce, _ = head_loss_kernels.row_statistics(logits, flat)
+    final = loss_weights(ce.view_as(weights), weights, loss="dpace", gamma=7.0, dpace_alpha=0.5).reshape(-1)
+    softmax_off_label = torch.exp(logits.float() - norm.log_z[:, None])
+    softmax_off_label[torch.arange(len(flat), device="cuda"), flat] -= 1
+    torch.testing.assert_close(norm.peak, softmax_off_label.abs().amax(1), rtol=1e-6, atol=0)
+    want_q, want_scale = quantise_rows(softmax_off_label * final[:, None])
+    q, scale = head_loss_kernels.e4m3_gradient(logits, flat, norm, final)
+    assert q.shape == logits.shape and q.dtype == torch.float8_e4m3fn   # 2048 rows: no padding
+    assert torch.equal(scale, want_scale)
+    differ = q.view(torch.uint8) != want_q.view(torch.uint8)
+    assert differ.float().mean() < 1e-4, differ.float().mean()
+    steps = (q.view(torch.uint8)[differ].int() - want_q.view(torch.uint8)[differ].int()).abs()
+    assert torch.all(steps == 1), steps.unique()   # same sign, neighbouring codes
+
+    def separate():
+        grad = head_loss_terms(logits.clone(), labels, weights, "dpace", 7.0, 0.5, kernels=triton_kernels())[3]
+        return compiled_quantise_rows(grad)
+    fused = _milliseconds(lambda: head_loss_terms(logits, labels, weights, "dpace", 7.0, 0.5,
+                                                  kernels=triton_kernels(e4m3_gradient=True)))
+    print(f"\nhead-loss terms to an e4m3 gradient, {tuple(logits.shape)}: fused {fused:.3f} ms, bf16 gradient "
+          f"then compiled quantise_rows {_milliseconds(separate):.3f} ms per chunk (the latter with a copy)")
 
 
 @pytest.mark.gpu

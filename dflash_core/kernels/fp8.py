@@ -8,7 +8,8 @@ Two users:
     docs/perf_notes.md, "FP8"), imported only here and only when fp8 is asked for;
   * the frozen LM head (`Fp8HeadWeight`): its weight quantised once into the two layouts its
     products read, the per-call operands (a chunk of hidden rows, a chunk of logit gradients)
-    quantised row-wise each call, the products through `torch._scaled_mm` with an fp32 accumulator
+    quantised row-wise each call (the logit gradients by the head-loss gradient kernel itself in a
+    compiled step on CUDA: kernels/head_loss.py), the products through `torch._scaled_mm` with an fp32 accumulator
     (on Hopper its FP8 tensor cores keep partial sums in less than fp32, which cuBLAS promotes) and
     a bf16 result.
 
@@ -98,16 +99,18 @@ class Fp8HeadWeight:
         self._gradient_operand = (by_hidden.t(), hidden_scale.t())  # [V, H] column-major, [1, H]
 
     def _product(self, rows, operand, quantise):
-        count = rows.shape[0]
+        if isinstance(rows, tuple):   # quantised by its producer, rows already aligned
+            return scaled_product(*rows, *operand, out_dtype=self.out_dtype)
         q, scale = quantise(_padded_rows(rows))
-        return scaled_product(q, scale, *operand, out_dtype=self.out_dtype)[:count]
+        return scaled_product(q, scale, *operand, out_dtype=self.out_dtype)[:rows.shape[0]]
 
     def logits(self, h_rows: torch.Tensor, quantise=quantise_rows) -> torch.Tensor:
         """h_rows [rows, H] -> logits [rows, V] in bf16."""
         return self._product(h_rows, self._logits_operand, quantise)
 
-    def input_gradient(self, grad_logits: torch.Tensor, quantise=quantise_rows) -> torch.Tensor:
-        """d(loss)/d(logits) [rows, V] -> d(loss)/d(h) [rows, H] in bf16."""
+    def input_gradient(self, grad_logits, quantise=quantise_rows) -> torch.Tensor:
+        """d(loss)/d(logits) [rows, V] -> d(loss)/d(h) [rows, H] in bf16; grad_logits may come quantised,
+        as (e4m3 [rows, V], scale [rows, 1]) with rows a multiple of ALIGNMENT."""
         return self._product(grad_logits, self._gradient_operand, quantise)
 
 

@@ -39,9 +39,11 @@ def loss_weights(ce, weights, *, loss, gamma, dpace_alpha):
 
 
 class RowKernels(NamedTuple):
-    """The two vocabulary-wide passes of the head loss."""
-    statistics: Callable   # (logits [rows, V], labels [rows]) -> log_z, ce (fp32), argmax [rows]
-    gradient: Callable     # (logits, labels, log_z, final [rows]) -> (softmax - onehot) * final, logits' dtype
+    """The two vocabulary-wide passes of the head loss. `norm` is what the gradient pass reads of the
+    statistics: log_z [rows] for torch's, kernels.head_loss.RowNorm for the Triton ones."""
+    statistics: Callable   # (logits [rows, V], labels [rows]) -> norm, ce (fp32), argmax [rows]
+    gradient: Callable     # (logits, labels, norm, final [rows]) -> (softmax - onehot) * final in the logits'
+    #                        dtype, or (e4m3 rows, fp32 row scales) from kernels.head_loss.e4m3_gradient
 
 
 def _torch_statistics(logits, labels):
@@ -59,22 +61,22 @@ def _torch_gradient(logits, labels, log_z, final):
 TORCH_KERNELS = RowKernels(_torch_statistics, _torch_gradient)
 
 
-def triton_kernels() -> RowKernels:
-    """The Triton passes, which overwrite the logits with their gradient: a chunk's logits are
-    computed only to become it. Imported on first use: a process that never steps on CUDA never
-    imports Triton."""
+def triton_kernels(e4m3_gradient: bool = False) -> RowKernels:
+    """The Triton passes, which overwrite the logits with their gradient (a chunk's logits are
+    computed only to become it) or, with `e4m3_gradient`, write it quantised for the FP8 head's
+    product. Imported on first use: a process that never steps on CUDA never imports Triton."""
     from ..kernels import head_loss as kernels
-    return RowKernels(kernels.row_statistics, kernels.gradient_in_place)
+    return RowKernels(kernels.row_statistics, kernels.e4m3_gradient if e4m3_gradient else kernels.gradient_in_place)
 
 
 def head_loss_terms(logits, labels, weights, loss, gamma, dpace_alpha, kernels=TORCH_KERNELS, with_gradient=True):
     """One chunk's (ce, final weights [B, c, Bs], argmax hits, d(weighted CE sum)/d(logits) or None)."""
     flat_labels = labels.reshape(-1)
-    log_z, ce, argmax = kernels.statistics(logits, flat_labels)
+    norm, ce, argmax = kernels.statistics(logits, flat_labels)
     ce = ce.view_as(weights)
     final = loss_weights(ce, weights, loss=loss, gamma=gamma, dpace_alpha=dpace_alpha)
     correct = (argmax == flat_labels).view_as(labels)
-    grad_logits = kernels.gradient(logits, flat_labels, log_z, final.reshape(-1)) if with_gradient else None
+    grad_logits = kernels.gradient(logits, flat_labels, norm, final.reshape(-1)) if with_gradient else None
     return ce, final, correct, grad_logits
 
 
@@ -93,14 +95,15 @@ class FusedHeadLoss(torch.autograd.Function):
     tensor: the same FLOPs minus one head GEMM per chunk, and logits never outlive their chunk.
     One Function for all chunks rather than one per chunk slice: per-chunk slices cost autograd a
     zero-filled full-size gradient and an accumulation each. `fp8`: the head's Fp8HeadWeight, whose
-    FP8 products replace the two bf16 ones (None: bf16)."""
+    FP8 products replace the two bf16 ones (None: bf16); compiled on CUDA, the gradient kernel
+    writes the logit gradient straight in e4m3 for the second."""
 
     @staticmethod
     def forward(ctx, h, head_weight, labels, weights, chunk_blocks, loss, gamma, dpace_alpha, compiled, fp8=None):
         if not compiled:
             terms = head_loss_terms
         elif h.is_cuda:
-            terms = functools.partial(head_loss_terms, kernels=triton_kernels())
+            terms = functools.partial(head_loss_terms, kernels=triton_kernels(e4m3_gradient=fp8 is not None))
         else:
             terms = compiled_head_loss_terms
         quantise = compiled_quantise_rows if compiled else quantise_rows
@@ -113,7 +116,7 @@ class FusedHeadLoss(torch.autograd.Function):
             logits = rows @ head_weight.T if fp8 is None else fp8.logits(rows, quantise)
             ce, final, hit, grad_logits = terms(logits, labels[:, part], weights[:, part], loss, gamma, dpace_alpha)
             grad_rows = grad_logits @ head_weight if fp8 is None else fp8.input_gradient(grad_logits, quantise)
-            grad_h[:, part] = grad_rows.view_as(grad_h[:, part])
+            grad_h[:, part] = grad_rows[:rows.shape[0]].view_as(grad_h[:, part])   # e4m3 rows come padded
             loss_sum = loss_sum + (final * ce).sum()
             weight_sum = weight_sum + final.sum()
             correct.append(hit)
