@@ -121,18 +121,18 @@ def test_step_with_an_oracle_drafter_hits_every_label():
 
 
 def test_dflash_weights_decay_from_slot_one():
-    weights = torch.tensor([[[0.0, 1.0, 1.0, 0.0]]])
-    got = loss_weights(torch.zeros(1, 1, 4), weights, loss="dflash", gamma=2.0, dpace_alpha=0.5)
-    assert torch.allclose(got, torch.tensor([[[0.0, 1.0, math.exp(-0.5), 0.0]]]))
+    weights = torch.tensor([[[1.0, 1.0, 0.0]]])   # drafted slots 1..3
+    got = loss_weights(torch.zeros(1, 1, 3), weights, loss="dflash", gamma=2.0, dpace_alpha=0.5)
+    assert torch.allclose(got, torch.tensor([[[1.0, math.exp(-0.5), 0.0]]]))
 
 
 def test_dpace_weights_are_suffix_sums_of_acceptance_prefixes():
-    ce = torch.tensor([[[5.0, 0.1, 0.7, 0.3, 2.0]]])
-    weights = torch.tensor([[[0.0, 1.0, 1.0, 1.0, 0.0]]])
+    ce = torch.tensor([[[0.1, 0.7, 0.3, 2.0]]])        # drafted slots 1..4
+    weights = torch.tensor([[[1.0, 1.0, 1.0, 0.0]]])
     alpha = 0.5
     q = [(1 - alpha) * math.exp(-c) + alpha for c in ce.flatten().tolist()]
-    prefix = [math.prod(q[1:k + 1]) for k in range(5)]
-    expected = [w * sum(prefix[j] * weights.flatten()[j] for j in range(k, 5))
+    prefix = [math.prod(q[:k + 1]) for k in range(4)]   # over slots 1..k
+    expected = [w * sum(prefix[j] * weights.flatten()[j] for j in range(k, 4))
                 for k, w in enumerate(weights.flatten().tolist())]
     got = loss_weights(ce, weights, loss="dpace", gamma=None, dpace_alpha=alpha)
     assert torch.allclose(got.flatten(), torch.tensor(expected))

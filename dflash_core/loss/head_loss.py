@@ -23,16 +23,16 @@ LOSS_TYPES = ("dflash", "dpace")
 
 
 def loss_weights(ce, weights, *, loss, gamma, dpace_alpha):
-    """Per-position loss weights [B, c, Bs] from the 0/1 label weights (ce is detached).
+    """Per-position loss weights [B, c, Bs - 1] of the drafted slots k = 1..Bs-1 (slot 0, the anchor,
+    is given) from their 0/1 label weights (ce is detached).
     dflash: w * exp(-(k-1)/gamma).
     dpace:  q' = (1-dpace_alpha) exp(-ce) + dpace_alpha, prefix = cumprod of q' over slots 1..k,
             weight_k = w_k * sum_{j>=k} prefix_j w_j  (d E[accepted] / d log q'_k)."""
-    slot = torch.arange(weights.shape[-1], device=weights.device, dtype=weights.dtype)
+    slot_after_first = torch.arange(weights.shape[-1], device=weights.device, dtype=weights.dtype)   # k - 1
     if loss == "dflash":
-        return weights * torch.exp(-(slot - 1) / gamma)
+        return weights * torch.exp(-slot_after_first / gamma)
     if loss == "dpace":
         q = (1 - dpace_alpha) * torch.exp(-ce) + dpace_alpha
-        q[..., 0] = 1.0  # slot 0 is given, not drafted
         reach = torch.cumprod(q, dim=-1) * weights
         return weights * reach.flip(-1).cumsum(-1).flip(-1)
     raise ValueError(f"unknown loss {loss!r}; expected one of {LOSS_TYPES}")
@@ -132,8 +132,9 @@ class FusedHeadLoss(torch.autograd.Function):
 
 
 def head_loss(h, head, labels, weights, *, loss, gamma, dpace_alpha, chunk_blocks, compiled):
-    """h [B, N, Bs, H] -> (weighted CE sum, weight sum, argmax == label [B, N, Bs]); with grad
-    enabled through `FusedHeadLoss`, without it (evaluation) by the same terms, chunk by chunk."""
+    """h [B, N, Bs - 1, H] of the drafted slots -> (weighted CE sum, weight sum, argmax == label
+    [B, N, Bs - 1]); with grad enabled through `FusedHeadLoss`, without it (evaluation) by the same
+    terms, chunk by chunk."""
     if torch.is_grad_enabled():
         return FusedHeadLoss.apply(h, head.lm_head_weight, labels, weights, chunk_blocks, loss, gamma, dpace_alpha,
                                    compiled, head.fp8)

@@ -135,9 +135,14 @@ def _run_blocks(drafter, head, input_ids, loss_mask, position_ids, features, anc
                 compiled=settings.compiled)
     h = h.view(*anchors.shape, cfg.block_size, -1)
     labels, weights = block_labels(input_ids, loss_mask, anchors, keep, cfg.block_size, position_ids)
-    loss_sum, weight_sum, correct = head_loss(h, head, labels, weights, loss=settings.loss, gamma=settings.gamma,
+    # Slot 0 holds the anchor, given and never drafted (weight 0): the LM head never forms its logits,
+    # 1/Bs of the head's products and of its loss passes.
+    drafted = slice(1, None)
+    loss_sum, weight_sum, correct = head_loss(h[:, :, drafted], head, labels[..., drafted], weights[..., drafted],
+                                              loss=settings.loss, gamma=settings.gamma,
                                               dpace_alpha=settings.dpace_alpha, chunk_blocks=settings.chunk_blocks,
                                               compiled=settings.compiled)
+    correct = torch.cat([torch.zeros_like(correct[..., :1]), correct], dim=-1)
     return loss_sum, weight_sum, correct, weights
 
 
