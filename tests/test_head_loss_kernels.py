@@ -172,8 +172,9 @@ def test_kernels_match_the_compiled_terms_at_the_production_shape(loss):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_e4m3_gradient_is_quantise_rows_of_the_gradient_at_the_production_shape():
     """2048 x 151936 bf16 logits: the kernel's e4m3 gradient has quantise_rows's scales of the fp32
-    gradient and its values on all but a few elements, those one e4m3 step apart (the kernel's exp
-    and torch's differ in the last fp32 bit, which moves a value across a rounding boundary). Prints
+    gradient and its values on all but a few rows and elements, those one power of two or one e4m3
+    step apart (the kernel's exp and torch's differ in the last fp32 bit, which moves a value across
+    a boundary). Prints
     its time per chunk against the bf16 gradient followed by a compiled quantise_rows."""
     from dflash_core.kernels import head_loss as head_loss_kernels
     from dflash_core.kernels.fp8 import quantise_rows
@@ -188,11 +189,16 @@ def test_the_e4m3_gradient_is_quantise_rows_of_the_gradient_at_the_production_sh
     want_q, want_scale = quantise_rows(softmax_off_label * final[:, None])
     q, scale = head_loss_kernels.e4m3_gradient(logits, flat, norm, final)
     assert q.shape == logits.shape and q.dtype == torch.float8_e4m3fn   # 2048 rows: no padding
-    assert torch.equal(scale, want_scale)
-    differ = q.view(torch.uint8) != want_q.view(torch.uint8)
-    assert differ.float().mean() < 1e-4, differ.float().mean()
-    steps = (q.view(torch.uint8)[differ].int() - want_q.view(torch.uint8)[differ].int()).abs()
-    assert torch.all(steps == 1), steps.unique()   # same sign, neighbouring codes
+    # A row whose amax lies within the last bit of a power-of-two boundary may take the neighbouring scale.
+    ratio = (scale / want_scale).flatten()
+    assert torch.all((ratio == 1) | (ratio == 2) | (ratio == 0.5)) and (ratio != 1).float().mean() < 0.01
+    same = ratio == 1
+    apart = (q[same].view(torch.uint8).int() - want_q[same].view(torch.uint8).int()).abs()
+    assert (apart > 0).float().mean() < 1e-4 and apart.max() <= 1   # same sign, neighbouring codes
+    # Every value, whatever its row's scale, within one e4m3 step (2^-3 relative; 2^-9 of the scale below
+    # the normals) of the exact gradient.
+    exact = softmax_off_label * final[:, None]
+    assert torch.all((q.float() * scale - exact).abs() <= exact.abs() * 2**-3 + scale * 2**-9)
 
     def separate():
         grad = head_loss_terms(logits.clone(), labels, weights, "dpace", 7.0, 0.5, kernels=triton_kernels())[3]

@@ -203,10 +203,16 @@ def _normed(norm, x):
     return norm(x)
 
 
-# The context's norm and the final one, outside the layers: eager, each makes several passes over fp32
-# copies of [rows, H] each way; compiled, one read and one write (what it saves: docs/perf_notes.md,
-# the step-time pass that compiled the norms). One graph per shape (context rows, block rows).
+def _projected(fc, norm, x):
+    return norm(fc(x))
+
+
+# The final norm and the context's projection and norm, outside the layers: eager, a norm makes several
+# passes over fp32 copies of [rows, H] each way; compiled, one read and one write (what it saves:
+# docs/perf_notes.md, the step-time pass that compiled the norms). With FP8 linears the projection's
+# operand casts (a [S, L*H] read each way) fuse into that graph too instead of running eagerly.
 _compiled_normed = compiled_function("rms_norm", _normed)
+_compiled_projected = compiled_function("context_projection", _projected)
 
 
 def _no_wait(*modules):
@@ -243,7 +249,7 @@ class DFlashDrafter(nn.Module):
 
     def context(self, context_features, compiled=False):
         """Target features [B, S, L*H] -> the drafter's context states [B, S, H]."""
-        return (_compiled_normed if compiled else _normed)(self.hidden_norm, self.fc(context_features))
+        return (_compiled_projected if compiled else _projected)(self.fc, self.hidden_norm, context_features)
 
     def forward(self, context_features, block_embeds, anchors, keep, *, backend, position_ids=None, compiled=False):
         """context_features [B, S, L*H], block_embeds [B, N*Bs, H], anchors/keep [B, N]

@@ -96,7 +96,8 @@ def profile_steps(step, device: torch.device, sync, step_ms: float, steps: int =
     if on_cuda:
         result["breakdown"] = kernel_breakdown(_device_kernels(prof), step_ms, steps)
     print(f"profile of {steps} drafter steps (sorted by {sort}):\n{table}\n"
-          f"breakdown per step: {format_breakdown(result.get('breakdown'))}\n{format_top_kernels(result.get('breakdown'))}"
+          f"breakdown per step: {format_breakdown(result.get('breakdown'))}\n"
+          f"{format_top_kernels(result.get('breakdown'))}"
           f"compile times:\n{result['compile_times']}", flush=True)
     return result
 

@@ -196,6 +196,9 @@ def drafter_stage(job, workloads: list[Workload], *, work: Path, warmup: int, st
                             timeout=timedelta(seconds=job.run.timeout_s),
                             device_id=device if backend == "nccl" else None)
     try:
+        # What earlier stages of this process still hold (a compiled graph keeps its module's weights
+        # alive): each row's peak is booked above it, so a later row's peak is its own.
+        resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         t0 = time.perf_counter()
         with torch.device(device):  # initialise on the GPU: a 1B-parameter CPU init takes seconds
             trainer = DrafterTrainer(job, dist.group.WORLD)
@@ -205,7 +208,7 @@ def drafter_stage(job, workloads: list[Workload], *, work: Path, warmup: int, st
         gen = torch.Generator(device=device).manual_seed(0)
         stepper = _Stepper(trainer)
         rows = [_drafter_workload(stepper, job, workload, gen, warmup=warmup, steps=steps, ceiling=ceiling,
-                                  params=params, clock=clock) for workload in workloads]
+                                  params=params, clock=clock, resident=resident) for workload in workloads]
         del trainer, stepper
     finally:
         dist.destroy_process_group()
@@ -245,7 +248,7 @@ def _pipelined_steps(stepper: _Stepper, num_batches: int, device, *, steps: int,
 
 
 def _drafter_workload(stepper: _Stepper, job, workload: Workload, gen, *, warmup: int, steps: int, ceiling,
-                      params: int, clock) -> dict:
+                      params: int, clock, resident: int) -> dict:
     from dflash_core.drafter.compile import compile_count, report
     from launcher.distributed.channel import HIDDEN_DTYPE, FeatureBatch
 
@@ -265,7 +268,7 @@ def _drafter_workload(stepper: _Stepper, job, workload: Workload, gen, *, warmup
         torch.cuda.reset_peak_memory_stats(device)
     timed = _pipelined_steps(stepper, len(workload), device, steps=steps, clock=clock)
     row = _drafter_row(job, workload, timed, ceiling, params=params, warm_s=warm_s,
-                       compiles=(before, warm, compile_count()), report=report())
+                       compiles=(before, warm, compile_count()), report=report(), resident=resident)
     if workload.profile:
         row["profile"] = profile_steps(lambda: stepper(0), device, sync, step_ms=row["ms_per_step"],
                                        trace=workload.profile)
@@ -273,24 +276,26 @@ def _drafter_workload(stepper: _Stepper, job, workload: Workload, gen, *, warmup
 
 
 def _drafter_row(job, workload: Workload, timed, ceiling, *, params: int, warm_s: float, compiles: tuple,
-                 report: dict) -> dict:
+                 report: dict, resident: int) -> dict:
     device = job.device
     flops = drafter_step_flops(job.drafter, workload.seq_len, job.step.num_anchors)
     seconds = sum(t for t, _, _ in timed)
     valid = sum(float(counts.tau_count) for _, _, counts in timed)
     slots = sum(float(counts.anchor_slots) for _, _, counts in timed)
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    peak = (torch.cuda.max_memory_allocated(device) - resident) / 2**30 if device.type == "cuda" else None
     before, warm, after = compiles
     row = {**_throughput("drafter", workload, timed, [flops], ceiling),
            "samples_per_s": len(timed) / seconds, "supervised_blocks_per_s": valid / seconds,
            "epoch_supervised_blocks_per_s": workload.extra["epoch_anchor_fill"] * job.step.num_anchors
            * len(timed) / seconds,
-           "anchor_fill": valid / slots if slots else None, "peak_memory_gib": peak, "warmup_s": warm_s,
+           "anchor_fill": valid / slots if slots else None, "peak_memory_gib": peak,
+           "resident_before_gib": resident / 2**30, "warmup_s": warm_s,
            "compiles_before": before, "compiles_after_warmup": warm, "compiles_after_timed": after,
            "compiles_stable": after == warm, "compile_report": report, "params_m": params / 1e6}
     row["notes"] = (f"epoch: {row['epoch_supervised_blocks_per_s']:.0f} blocks/s, fill "
                     f"{row['epoch_anchor_fill']:.2f}, {row['epoch_tokens_per_s']:.0f} real tok/s; "
                     + (f"peak {peak:.1f} GiB, " if peak is not None else "")
+                    + (f"above {resident / 2**30:.1f} GiB earlier rows held, " if resident >= 2**30 else "")
                     + f"compiles {before}->{warm}->{after}, warmup {warm_s:.0f}s")
     progress(f"{row['row']} S={workload.seq_len}: {row['ms_per_step']:.1f} ms/step, {row['tokens_per_s']:.0f} real "
              f"tokens/s, {row['tflops']:.1f} TFLOP/s, MFU {fmt(row['mfu'], '.2f')}, {row['notes']}")
