@@ -96,6 +96,21 @@ def test_balance_advice_on_made_up_rates():
         balance_advice(1, 1, 1)
 
 
+def test_fp8_row_says_how_much_faster_than_the_bf16_row_of_its_length_and_what_to_do():
+    from launcher.bench.fp8_rows import against_bf16
+    from launcher.bench.report import Row
+    rows = [{"n": Row.DRAFTER, "seq_len": 2048, "ms_per_step": 60.0}, {"n": Row.DRAFTER, "seq_len": 4096,
+                                                                      "ms_per_step": 130.0}]
+    faster = against_bf16({"n": Row.FP8_DRAFTER, "seq_len": 4096, "ms_per_step": 104.0, "notes": "peak"}, rows)
+    assert faster["speedup_vs_bf16"] == pytest.approx(1.25)
+    assert faster["notes"].startswith("1.25x the bf16 step of row 3: train with drafter.matmul_precision=fp8")
+    assert faster["notes"].endswith("; peak")
+    slower = against_bf16({"n": Row.FP8_DRAFTER, "seq_len": 2048, "ms_per_step": 75.0}, rows)
+    assert "0.80x" in slower["notes"] and "keep bf16 here" in slower["notes"]
+    alone = {"n": Row.FP8_DRAFTER, "seq_len": 8192, "ms_per_step": 200.0}
+    assert against_bf16(alone, rows) == alone   # no bf16 row of that length: nothing to compare
+
+
 def test_format_table_lists_every_row():
     table = format_table([{"n": 1, "row": "matmul ceiling", "tflops": 1.5, "mfu": 1.0, "notes": "x"},
                           {"n": 4, "row": "end to end", "notes": "skipped"}])

@@ -69,5 +69,19 @@ def _drafter_rows(bench: Bench, full: list[Workload], ceiling: float | None) -> 
     rows = drafter_stage(job, workloads, work=bench.work, warmup=args.warmup, steps=args.steps, ceiling=ceiling)
     if bench.cuda:
         torch.cuda.empty_cache()
-    return [{**row, "n": Row.FP8_DRAFTER, "row": row["row"].replace("drafter alone", "drafter alone fp8"),
-             "matmul_precision": "fp8"} for row in rows]
+    return [against_bf16({**row, "n": Row.FP8_DRAFTER, "row": row["row"].replace("drafter alone", "drafter alone fp8"),
+                          "matmul_precision": "fp8"}, bench.rows) for row in rows]
+
+
+def against_bf16(row: dict, rows: list[dict]) -> dict:
+    """An FP8 drafter row with its speed-up over the bf16 row of the same length (Row.DRAFTER) and the
+    advice that follows from it, first in its notes."""
+    bf16 = next((r for r in rows if r.get("n") == Row.DRAFTER and r.get("seq_len") == row.get("seq_len")
+                 and r.get("ms_per_step")), None)
+    if bf16 is None or not row.get("ms_per_step"):
+        return row
+    speedup = bf16["ms_per_step"] / row["ms_per_step"]
+    advice = ("train with drafter.matmul_precision=fp8 (loss parity: docs/perf_notes.md, FP8)" if speedup > 1
+              else "keep bf16 here")
+    return {**row, "speedup_vs_bf16": speedup,
+            "notes": f"{speedup:.2f}x the bf16 step of row {Row.DRAFTER:d}: {advice}; {row.get('notes', '')}"}
