@@ -25,13 +25,25 @@ def test_layer_plan_per_family_and_unknown_style():
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     from transformers import GptOssConfig, Qwen3Config, Qwen3MoeConfig
 
-    from launcher.distributed.tensor_parallel import TensorParallelError, layer_plan, plan_strings
+    from launcher.distributed.tensor_parallel import (
+        TensorParallelError,
+        layer_plan,
+        missing_from_every_layer,
+        plan_strings,
+    )
     gpt_oss = layer_plan(GptOssConfig())  # transformers has no layer plan: the family's own, attention only
     assert set(gpt_oss) == {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"}
     assert isinstance(gpt_oss["self_attn.o_proj"], RowwiseParallel)
-    _, replicated = plan_strings(Qwen3MoeConfig())  # experts stay whole, attention is split
-    assert set(replicated) == {"mlp.experts", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
+    # Experts stay whole, attention is split. transformers < 5.25 lists the experts in the layer plan (we
+    # drop them); later versions list them in base_model_ep_plan only, and the dense MLP of mlp_only_layers.
+    sharded, replicated = plan_strings(Qwen3MoeConfig())
+    assert set(replicated) <= {"mlp.experts", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
+    assert not any(key.startswith("mlp.experts") for key in sharded)
     assert isinstance(layer_plan(Qwen3MoeConfig())["self_attn.q_proj"], ColwiseParallel)
+    # A stack of sparse layers only has no dense MLP: those entries are not a mismatch; others are.
+    unused = {"mlp.gate_proj", "mlp.down_proj", "self_attn.q_proj"}
+    assert missing_from_every_layer(unused, ("mlp.experts",)) == {"self_attn.q_proj"}
+    assert missing_from_every_layer(unused, ()) == unused
     packed = Qwen3Config()
     packed.base_model_tp_plan = {"layers.*.mlp.gate_up_proj": "packed_colwise"}
     with pytest.raises(TensorParallelError, match="packed_colwise"):

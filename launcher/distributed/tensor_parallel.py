@@ -131,6 +131,7 @@ def shard_target(target: CapturingTarget, unit_group: ProcessGroup, device: torc
         parallelize_module(layer, mesh, layer_plan_here, src_data_rank=None)
         for name in target.family.tp_head_params:
             _slice_heads(layer, name, tp_size, rank)
+    unused = missing_from_every_layer(unused, target.family.tp_replicated)
     if unused:
         raise TensorParallelError(f"no decoder layer ({type(decoder.layers[0]).__name__}) has the submodule(s) "
                                   f"{sorted(unused)} named in the tensor-parallel plan")
@@ -171,6 +172,15 @@ def _slice_heads(layer: nn.Module, name: str, tp_size: int, rank: int) -> None:
         return
     full = getattr(owner, param_name)
     setattr(owner, param_name, nn.Parameter(full.detach().chunk(tp_size)[rank].clone(), requires_grad=False))
+
+
+def missing_from_every_layer(unused: set[str], replicated_roots: tuple[str, ...]) -> set[str]:
+    """The plan entries no decoder layer has that are an error. Not a sparse family's dense-MLP entries:
+    transformers >= 5.25 lists them for its dense layers (mlp_only_layers), and a stack of sparse layers
+    only has none (its experts are in base_model_ep_plan, left whole here)."""
+    if not replicated_roots:
+        return unused
+    return {name for name in unused if not name.startswith("mlp.")}
 
 
 def _submodule(layer: nn.Module, name: str) -> nn.Module | None:
