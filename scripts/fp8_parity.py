@@ -26,8 +26,11 @@ reruns differed by 5.7%. From a cold start the chain too plateaus for ~200 steps
 leaves the plateau at a step that varies by run: bf16 reruns differed by 2.0%.) So the compared runs
 start past it: one bf16 run first trains --pretrain-steps steps on rows of its own seed and exports
 the drafter, and every compared run starts from that export (drafter.init_from; the optimiser and
-schedule start fresh). Step i trains on row i of the stream for every run; the held-out rows come from
-another seed.
+schedule start fresh). Measured in session 15, 400 steps end at the plateau's edge (9.43), so the runs
+still leave it in the compared window and bf16 reruns differ by 1.45% (docs/perf_notes.md, "FP8,
+second pass"): a warm start well past it needs more --pretrain-steps than one device call leaves time
+for beside three 500-step runs. Step i trains on row i of the stream for every run; the held-out rows
+come from another seed.
 
 Prints and writes to $OUT/fp8_parity.json (OUT: an environment variable, default /tmp): per run the
 loss curve, the held-out tau and loss, the median step time after --warmup-steps (each step timed
