@@ -177,7 +177,7 @@ def test_the_e4m3_gradient_is_quantise_rows_of_the_gradient_at_the_production_sh
     a boundary). Prints
     its time per chunk against the bf16 gradient followed by a compiled quantise_rows."""
     from dflash_core.kernels import head_loss as head_loss_kernels
-    from dflash_core.kernels.fp8 import quantise_rows
+    from dflash_core.kernels.fp8 import ALIGNMENT, quantise_rows
     from dflash_core.loss.head_loss import compiled_quantise_rows, head_loss_terms, loss_weights
     logits, labels, weights = _chunk()
     flat = labels.reshape(-1)
@@ -187,7 +187,7 @@ def test_the_e4m3_gradient_is_quantise_rows_of_the_gradient_at_the_production_sh
     softmax_off_label[torch.arange(len(flat), device="cuda"), flat] -= 1
     torch.testing.assert_close(norm.peak, softmax_off_label.abs().amax(1), rtol=1e-6, atol=0)
     want_q, want_scale = quantise_rows(softmax_off_label * final[:, None])
-    q, scale = head_loss_kernels.e4m3_gradient(logits, flat, norm, final)
+    q, scale = head_loss_kernels.e4m3_gradient(logits, flat, norm, final, ALIGNMENT)
     assert q.shape == logits.shape and q.dtype == torch.float8_e4m3fn   # 2048 rows: no padding
     # A row whose amax lies within the last bit of a power-of-two boundary may take the neighbouring scale.
     ratio = (scale / want_scale).flatten()

@@ -9,9 +9,9 @@ Two users:
   * the frozen LM head (`Fp8HeadWeight`): its weight quantised once into the two layouts its
     products read, the per-call operands (a chunk of hidden rows, a chunk of logit gradients)
     quantised row-wise each call (the logit gradients by the head-loss gradient kernel itself in a
-    compiled step on CUDA: kernels/head_loss.py), the products through `torch._scaled_mm` with an fp32 accumulator
-    (on Hopper its FP8 tensor cores keep partial sums in less than fp32, which cuBLAS promotes) and
-    a bf16 result.
+    compiled step on CUDA: kernels/head_loss.py), the products through `torch._scaled_mm` with an
+    fp32 accumulator (on Hopper its FP8 tensor cores keep partial sums in less than fp32, which
+    cuBLAS promotes) and a bf16 result.
 
 Scales are powers of two, as torchao's row-wise recipe has them: dividing by one is exact, so a
 value's only error is its rounding to e4m3 (3 mantissa bits). Nothing here is exported with the

@@ -92,10 +92,6 @@ def _kernels():
 BLOCK, NUM_WARPS = 4096, 8
 
 
-# e4m3 operand rows come in multiples of this (torch._scaled_mm's alignment on CUDA).
-E4M3_ROW_ALIGNMENT = 16
-
-
 class RowNorm(NamedTuple):
     """What the gradient pass reads of each row's statistics: log_z and peak, fp32 [rows]."""
     log_z: torch.Tensor
@@ -131,12 +127,12 @@ def gradient_in_place(logits, labels, norm, final):
     return logits
 
 
-def e4m3_gradient(logits, labels, norm, final):
+def e4m3_gradient(logits, labels, norm, final, row_alignment):
     """(softmax - onehot) * final [rows] as (q [padded rows, V] e4m3, scale [padded rows, 1] fp32) with
     gradient ~= q * scale, scaled per row as fp8.quantise_rows scales; rows up to a multiple of
-    E4M3_ROW_ALIGNMENT are zeros (scale 1), ready for torch._scaled_mm."""
+    `row_alignment` (torch._scaled_mm's on CUDA) are zeros with scale 1."""
     rows, vocab = logits.shape
-    padded = -(-rows // E4M3_ROW_ALIGNMENT) * E4M3_ROW_ALIGNMENT
+    padded = -(-rows // row_alignment) * row_alignment
     q = torch.empty(padded, vocab, dtype=torch.float8_e4m3fn, device=logits.device)
     scale = torch.ones(padded, 1, dtype=torch.float32, device=logits.device)
     q[rows:] = 0

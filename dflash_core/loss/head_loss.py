@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..drafter.compile import compiled_function
-from ..kernels.fp8 import quantise_rows
+from ..kernels.fp8 import ALIGNMENT, quantise_rows
 
 LOSS_TYPES = ("dflash", "dpace")
 
@@ -66,11 +66,13 @@ def triton_kernels(e4m3_gradient: bool = False) -> RowKernels:
     computed only to become it) or, with `e4m3_gradient`, write it quantised for the FP8 head's
     product. Imported on first use: a process that never steps on CUDA never imports Triton."""
     from ..kernels import head_loss as kernels
-    return RowKernels(kernels.row_statistics, kernels.e4m3_gradient if e4m3_gradient else kernels.gradient_in_place)
+    if e4m3_gradient:
+        return RowKernels(kernels.row_statistics, functools.partial(kernels.e4m3_gradient, row_alignment=ALIGNMENT))
+    return RowKernels(kernels.row_statistics, kernels.gradient_in_place)
 
 
 def head_loss_terms(logits, labels, weights, loss, gamma, dpace_alpha, kernels=TORCH_KERNELS, with_gradient=True):
-    """One chunk's (ce, final weights [B, c, Bs], argmax hits, d(weighted CE sum)/d(logits) or None)."""
+    """One chunk's (ce, final weights [B, c, slots], argmax hits, d(weighted CE sum)/d(logits) or None)."""
     flat_labels = labels.reshape(-1)
     norm, ce, argmax = kernels.statistics(logits, flat_labels)
     ce = ce.view_as(weights)
@@ -81,7 +83,8 @@ def head_loss_terms(logits, labels, weights, loss, gamma, dpace_alpha, kernels=T
 
 
 compiled_head_loss_terms = compiled_function("head_loss", head_loss_terms)
-# One fused read of the operand (max, scale, cast) instead of eager's fp32 copy of a [rows, V] chunk.
+# One fused read of the operand (max, scale, cast) instead of eager's fp32 copies: a chunk's hidden rows
+# (and, compiled on the CPU, its [rows, V] gradient, which CUDA's gradient kernel writes in e4m3 itself).
 compiled_quantise_rows = compiled_function("fp8_quantise_rows", quantise_rows)
 
 
