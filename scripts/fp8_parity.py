@@ -123,6 +123,11 @@ class MarkovStream:
 
 
 # ------------------------------------------------------------------------------ one run (a child process)
+def run_settings(name: str) -> list[str]:
+    """The overrides a run (or the warm start's pretrain) adds to the shared ones."""
+    return PRETRAIN_SETTINGS if name == PRETRAIN else RUNS[name]
+
+
 def run_one(args) -> dict:
     from datetime import timedelta
 
@@ -143,14 +148,12 @@ def run_one(args) -> dict:
     work = Path(args.work)
     pretraining = args.one == PRETRAIN
     steps = args.pretrain_steps if pretraining else args.steps
-    run_settings = PRETRAIN_SETTINGS if pretraining else RUNS[args.one]
-    if args.init_from:
-        run_settings = run_settings + [f"drafter.init_from={args.init_from}"]
+    settings = run_settings(args.one) + [f"drafter.init_from={args.init_from}"] * bool(args.init_from)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")   # the CPU: a smoke run of this script
     overrides = run_overrides(target_dir=Path(args.target), data_path=work / "unused.jsonl", seq_len=args.seq,
                               steps=steps, tiny=False, anchors=args.anchors, work=work,
                               mask_token_id=SHAPES[args.shape].mask_token_id or "auto")
-    cfg = compose_config(overrides + run_settings + args.overrides)
+    cfg = compose_config(overrides + settings + args.overrides)
     isolate("drafter", 0, 1, work / f"compile_cache_{args.one}", device, cfg.isolation.recompile_limit,
             cfg.isolation.compile_threads)
     job = resolve(cfg, Topology(num_targets=0, num_drafters=1), device)
@@ -189,7 +192,7 @@ def run_one(args) -> dict:
         peak_gib = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
         step_s = statistics.median(times[args.warmup_steps:] or times)
         flops = drafter_step_flops(job.drafter, args.seq, job.step.num_anchors)
-        return {"run": args.one, "overrides": run_settings + args.overrides, "losses": losses,
+        return {"run": args.one, "overrides": settings + args.overrides, "losses": losses,
                 "grad_norms": grad_norms, "skipped_steps": skipped, "tau": final["tau"], "held_out": final,
                 "tau_curve": taus + [(args.steps, final["tau"])], "step_ms_median": 1e3 * step_s,
                 "step_ms": [1e3 * t for t in times], "tflops": flops / step_s / 1e12, "peak_memory_gib": peak_gib,
@@ -284,7 +287,7 @@ def main(argv=None) -> None:
                 report["runs"][name] = {"error": "no warm start: the pretrain run failed"}
                 continue
             cmd += ["--init-from", str(work / PRETRAIN)]
-        print(f"[fp8_parity] {name}: {' '.join(RUNS.get(name, [])) or 'bf16 defaults'}", flush=True)
+        print(f"[fp8_parity] {name}: {' '.join(run_settings(name)) or 'bf16 defaults'}", flush=True)
         started = time.perf_counter()
         timeout = max(1.0, min(args.run_timeout, args.budget - (started - began)))
         try:

@@ -75,9 +75,9 @@ for block in (head_loss_kernels.BLOCK, 256):   # one ragged chunk per row; sever
 
                 # The e4m3 gradient: the statistics' peak is the row's largest |softmax - onehot| (to 1e-5: its
                 # log_z sums in another order than torch's), the scales are quantise_rows's of the exact
-                # gradient, the values its quantisation (to one code). The reference is cast
-                # by the interpreter too: its fp32 -> e4m3 conversion is not round-to-nearest (0.1216 becomes
-                # 0.0625), so only the GPU test compares the cast itself with torch's.
+                # gradient, the values its quantisation (to one code). The reference is cast by the
+                # interpreter too: its fp32 -> e4m3 conversion is not round-to-nearest (0.1216 becomes 0.0625),
+                # so only the GPU test compares the cast itself with torch's.
                 off_label = torch.exp(logits.float() - want_log_z[:, None]) - onehot(labels, vocab)
                 exact = off_label * want[1].reshape(-1, 1)
                 norm = head_loss_kernels.row_statistics(logits, labels.reshape(-1))[0]
@@ -174,8 +174,8 @@ def test_the_e4m3_gradient_is_quantise_rows_of_the_gradient_at_the_production_sh
     """2048 x 151936 bf16 logits: the kernel's e4m3 gradient has quantise_rows's scales of the fp32
     gradient and its values on all but a few rows and elements, those one power of two or one e4m3
     step apart (the kernel's exp and torch's differ in the last fp32 bit, which moves a value across
-    a boundary). Prints
-    its time per chunk against the bf16 gradient followed by a compiled quantise_rows."""
+    a boundary). Prints its time per chunk against the bf16 gradient followed by a compiled
+    quantise_rows."""
     from dflash_core.kernels import head_loss as head_loss_kernels
     from dflash_core.kernels.fp8 import ALIGNMENT, quantise_rows
     from dflash_core.loss.head_loss import compiled_quantise_rows, head_loss_terms, loss_weights

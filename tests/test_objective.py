@@ -290,8 +290,8 @@ def test_compiled_layers_and_head_loss_match_eager_and_compile_once():
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
         if seed == 0:
             first = {name: compile_count(name) - before[name] for name in before}
-    # One layer graph for every layer (the first included); one head graph; one norm graph per shape
-    # (the context's rows and the blocks').
+    # One layer graph for every layer (the first included); one head graph; one graph for the final norm
+    # (the blocks' rows) and one for the context's projection and norm.
     assert first == {"drafter_layer": 1, "head_loss": 1, "rms_norm": 1, "context_projection": 1}
     assert {name: compile_count(name) - before[name] for name in before} == first
 
