@@ -5,7 +5,9 @@ Two users:
     of torchao's recipes, FP8_RECIPES: `rowwise_with_gw_hp` scales the operands of the forward and
     input-gradient products per row of their contraction and keeps the weight gradient in bf16,
     `rowwise` makes that one FP8 too, `tensorwise` has one scale per tensor; what each costs:
-    docs/perf_notes.md, "FP8"), imported only here and only when fp8 is asked for;
+    docs/perf_notes.md, "FP8"), imported only here and only when fp8 is asked for; in eval mode
+    a converted layer runs the bf16 product of the same weight, as the exported drafter does when
+    it is served, so held-out figures score the drafter users get;
   * the frozen LM head (`Fp8HeadWeight`): its weight quantised once into the two layouts its
     products read, the per-call operands (a chunk of hidden rows, a chunk of logit gradients)
     quantised row-wise each call (the logit gradients by the head-loss gradient kernel itself in a
@@ -19,7 +21,10 @@ drafter: the export writes plain weights and model.py never imports this module.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 E4M3 = torch.float8_e4m3fn
@@ -117,10 +122,21 @@ class Fp8HeadWeight:
 def _torchao_float8():
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8.float8_linear import Float8Linear
     except ImportError as exc:
         raise ImportError(f"drafter.matmul_precision=fp8 trains the drafter's linear layers with torchao's float8 "
                           f"training, and torchao is not importable ({exc}): {INSTALL_HINT}") from exc
-    return Float8LinearConfig, convert_to_float8_training
+    return Float8LinearConfig, convert_to_float8_training, Float8Linear
+
+
+@functools.cache
+def _training_only(float8_linear: type) -> type:
+    """torchao's Float8Linear while training; in eval mode the bf16 product of the same weight (what the
+    exported drafter runs when served). Also spares a process compiling FP8 evaluation graphs."""
+    class Float8TrainingLinear(float8_linear):
+        def forward(self, x):
+            return super().forward(x) if self.training else F.linear(x, self.weight, self.bias)
+    return Float8TrainingLinear
 
 
 def torchao_available() -> bool:
@@ -131,7 +147,7 @@ def torchao_available() -> bool:
 def convert_linears(model: nn.Module, recipe: str = FP8_RECIPES[0]) -> int:
     """Every nn.Linear of `model` (in place) to torchao's Float8Linear with `recipe` (FP8_RECIPES): the
     same parameters (names, shapes, dtypes: the state dict, the optimiser and the export see no
-    change), FP8 products in forward and backward. Returns how many were converted; a layer whose
+    change), FP8 products in forward and backward while training, bf16 ones in eval mode. Returns how many were converted; a layer whose
     shape FP8 cannot take is an error naming it."""
     if recipe not in FP8_RECIPES:
         raise ValueError(f"FP8 recipe {recipe!r}: expected one of {FP8_RECIPES}")
@@ -139,7 +155,11 @@ def convert_linears(model: nn.Module, recipe: str = FP8_RECIPES[0]) -> int:
         if isinstance(module, nn.Linear) and (module.in_features % ALIGNMENT or module.out_features % ALIGNMENT):
             raise ValueError(f"FP8 linear layers: {name} is {module.in_features} -> {module.out_features}; both "
                              f"must be multiples of {ALIGNMENT} (torch._scaled_mm's alignment)")
-    config_class, convert = _torchao_float8()
+    config_class, convert, float8_linear = _torchao_float8()
     count = sum(isinstance(module, nn.Linear) for module in model.modules())
     convert(model, config=config_class.from_recipe_name(recipe))
+    # Retyped rather than built by our own swap: torchao's conversion also patches inductor for its kernels.
+    for module in model.modules():
+        if type(module) is float8_linear:
+            module.__class__ = _training_only(float8_linear)
     return count

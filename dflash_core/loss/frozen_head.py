@@ -5,7 +5,7 @@ drafter's (or anybody's) state_dict. Only these two tensors are read from the ta
 checkpoint, under the names every supported family uses (dflash_core.target.families): text-only
 checkpoints keep the decoder under `model.`, composite multimodal ones (Qwen3.5/3.6) under
 `model.language_model.`; the LM head is `lm_head.weight` in both. `use_fp8()` (drafter.matmul_precision=fp8)
-quantises the LM head once, and its products run in FP8 from then on."""
+quantises the LM head once, and the training loss's products run in FP8 from then on."""
 
 from pathlib import Path
 
@@ -53,8 +53,9 @@ class FrozenTargetHead(nn.Module):
 
     def use_fp8(self) -> None:
         """Quantise the frozen LM head once into the layouts of its FP8 products (kernels/fp8.py): the
-        logits and the loss's input gradient run in FP8 from now on. The bf16 weight stays (the
-        embedding may be the same tensor, and the export never reads the head)."""
+        training loss's logits and input gradient run in FP8 from now on. `logits` (evaluation,
+        decoding) keeps the bf16 product the served target computes; the bf16 weight stays for it
+        (and the embedding may be the same tensor)."""
         self.fp8 = Fp8HeadWeight(self.lm_head_weight)
 
     @property
@@ -98,5 +99,5 @@ class FrozenTargetHead(nn.Module):
         return F.embedding(ids, self.embed_weight)
 
     def logits(self, h):
-        """h [rows, H] -> logits [rows, V]."""
-        return F.linear(h, self.lm_head_weight) if self.fp8 is None else self.fp8.logits(h)
+        """h [rows, H] -> logits [rows, V], as the served target's LM head computes them (in bf16 with fp8 too)."""
+        return F.linear(h, self.lm_head_weight)

@@ -5,9 +5,10 @@ loss weights, the argmax hits and, when training, d(weighted CE sum)/d(logits). 
 and compiled training steps run it with torch's row statistics and gradient; a compiled step on
 CUDA runs it with the Triton kernels of dflash_core/kernels/head_loss.py in their place (why:
 docs/perf_notes.md, "Step time, fourth pass"). `head_loss` runs it chunk by chunk, so the [N*Bs, V]
-logits never exist at once. With `drafter.matmul_precision=fp8` the head's two products (the
-logits and d(loss)/dh) are FP8 products of its quantised weight (dflash_core/kernels/fp8.py); the
-loss terms, their reduction and everything after stay as in bf16.
+logits never exist at once. With `drafter.matmul_precision=fp8` the training step's two head products
+(the logits and d(loss)/dh) are FP8 products of its quantised weight (dflash_core/kernels/fp8.py); the
+loss terms, their reduction and everything after stay as in bf16, and evaluation's logits are the
+served head's bf16 product.
 """
 from __future__ import annotations
 
