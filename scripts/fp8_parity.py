@@ -262,8 +262,8 @@ def print_summary(report: dict) -> None:
                   f"{against['tau_within_2pct']}), {against['speedup_vs_bf16']:.3f}x, memory "
                   f"{fmt(against['peak_memory_ratio'], '.3f')}x" if against else "-")
         print(f"{name:<11} {run['step_ms_median']:8.1f} {run['tflops']:8.1f} {fmt(run['peak_memory_gib'], '9.1f')} "
-              f"{run['compile_s']:10.1f} {run['eval_compile_s']:10.1f} {run['tau']:7.3f} {run['held_out']['loss']:7.3f}  "
-              f"{versus}")
+              f"{run['compile_s']:10.1f} {run['eval_compile_s']:10.1f} {run['tau']:7.3f} "
+              f"{run['held_out']['loss']:7.3f}  {versus}")
     for name, row in report["ceilings"].items():
         print(f"{name} matmul ceiling: {row['tflops']:.1f} TFLOP/s ({row['notes']})")
 

@@ -147,8 +147,8 @@ def torchao_available() -> bool:
 def convert_linears(model: nn.Module, recipe: str = FP8_RECIPES[0]) -> int:
     """Every nn.Linear of `model` (in place) to torchao's Float8Linear with `recipe` (FP8_RECIPES): the
     same parameters (names, shapes, dtypes: the state dict, the optimiser and the export see no
-    change), FP8 products in forward and backward while training, bf16 ones in eval mode. Returns how many were converted; a layer whose
-    shape FP8 cannot take is an error naming it."""
+    change), FP8 products in forward and backward while training, bf16 ones in eval mode. Returns how
+    many were converted; a layer whose shape FP8 cannot take is an error naming it."""
     if recipe not in FP8_RECIPES:
         raise ValueError(f"FP8 recipe {recipe!r}: expected one of {FP8_RECIPES}")
     for name, module in model.named_modules():

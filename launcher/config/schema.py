@@ -73,7 +73,8 @@ class DrafterSettings:
                         choices=AUTO_BOOL)
     matmul_precision: str = knob("bf16", "bf16 | fp8: the training step's linear layers and frozen LM head products in "
                                           "FP8 with row-wise scales (CUDA capability >= 8.9, the [fp8] extra); "
-                                          "master weights, optimiser, loss and held-out evaluation as in bf16", choices=("bf16", "fp8"))
+                                          "master weights, optimiser, loss and held-out evaluation as in bf16",
+                                 choices=("bf16", "fp8"))
     fp8_recipe: str = knob("rowwise_with_gw_hp", "with matmul_precision=fp8, torchao's recipe for the linear layers: "
                                                   "rowwise_with_gw_hp (row-wise scales; the weight gradient in bf16) | "
                                                   "rowwise (that one in FP8 too) | tensorwise (one scale per tensor)",
