@@ -83,11 +83,12 @@ train-node: install
 	  --rdzv-backend c10d --rdzv-endpoint $(MASTER):$(PORT) --rdzv-id $(RDZV_ID) -m launcher.train \
 	  topology=$(TOPOLOGY) run.dir=$(NODE_RUN_DIR) $(EMBEDDED) $(ARGS)"; echo "$$cmd"; eval "$$cmd"
 
-# Two pytest workers (pytest-xdist): a launch leaves cores idle while its processes start and wait,
-# and the other worker fills them. TEST_WORKERS=0 runs the suite in one process. loadgroup: the tests of
-# one xdist_group (the vLLM tests, sharing one server) run on one worker.
+# The suite needs the vLLM environment (its served tests start a real `vllm serve`), so `make test` builds it
+# first, once. Two pytest workers (pytest-xdist): a launch leaves cores idle while its processes start and
+# wait, and the other worker fills them. TEST_WORKERS=0 runs the suite in one process. loadgroup: the tests
+# of one xdist_group (the vLLM tests, sharing one server) run on one worker.
 TEST_WORKERS ?= 2
-test: install
+test: install vllm-env
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The benchmark: matmul ceiling, full-row rows and length-mix rows (padded and packed) side by side;
