@@ -10,9 +10,8 @@ Usage: torchrun --standalone --nproc-per-node N -m launcher.train [key=value ...
        dflash-train [--nproc-per-node=N] [key=value ...]   (starts torchrun itself: N from topology=t<T>d<D>)
 Examples:
   torchrun --standalone --nproc-per-node 3 -m launcher.train topology=t1d2            # the embedded default (CPU)
-  torchrun --standalone --nproc-per-node 8 -m launcher.train topology=t4d4 target=qwen3_8b \\
-      target.path=/models/Qwen3-8B drafter=dflash5 data.paths='[/data/regen.jsonl]' \\
-      data.max_length=4096 data.fixed_length=4096 train.steps=20000 run.dir=/runs/qwen3-8b
+  torchrun --standalone --nproc-per-node 8 -m launcher.train recipe=qwen3_8b \\
+      target.path=/models/Qwen3-8B data.paths='[/data/qwen3-8b-regen.jsonl]'   # a recipe: t3d5, lengths, steps
   python -m launcher.train --cfg job train.steps=5                                   # print the config"""
 
 

@@ -29,12 +29,12 @@ the drafter, and every compared run starts from that export (drafter.init_from; 
 schedule start fresh). Measured in session 15, 400 cosine-scheduled steps ended at the plateau's edge
 (9.43), so the runs still left it in the compared window and bf16 reruns differed by 1.45%
 (docs/perf_notes.md, "FP8, second pass"); the pretrain now keeps the peak learning rate
-(PRETRAIN_SETTINGS) for 600 steps, what one device call leaves beside three 500-step runs; from there
+(PRETRAIN_SETTINGS) for 600 steps, what a 10-minute session leaves beside three 500-step runs; from there
 bf16 reruns are bit-identical and fp8 stays within 0.12% (sessions 16-17, "FP8, third pass"). Step i
 trains on row i of the stream for every run; the held-out rows come from another seed, and are scored
 with bf16 products in every run (as the export is served).
 
-Prints and writes to $OUT/fp8_parity.json (OUT: an environment variable, default /tmp): per run the
+Prints and writes to fp8_parity.json in the --out directory (default /tmp): per run the
 loss curve, the held-out tau and loss, the median step time after --warmup-steps (each step timed
 between torch.cuda.synchronize calls), peak memory, the cold compile time (warm_up; of it the
 evaluation graphs', eval_compile_s, which includes one more step on the cached graphs) and the step's
@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -86,6 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--run-timeout", type=float, default=240, help="seconds one run may take")
     p.add_argument("--budget", type=float, default=560, help="seconds all runs may take together: the last ones "
                                                             "are cut short so that the JSON is written in time")
+    p.add_argument("--out", default="/tmp", help="the directory fp8_parity.json is written to")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                    help="hydra override for every run (repeatable), e.g. --set drafter.backend=flash")
     p.add_argument("--one", choices=sorted([*RUNS, PRETRAIN]), help=argparse.SUPPRESS)   # a child: one run
@@ -278,7 +278,7 @@ def main(argv=None) -> None:
     from dflash_core.target.tiny import build_tiny_target
     from launcher.bench.inputs import write_bench_target
     began = time.perf_counter()
-    out = Path(os.environ.get("OUT") or "/tmp")
+    out = Path(args.out)
     work = Path(tempfile.mkdtemp(prefix="fp8-parity-"))
     # Only the tokenizer of the tiny target is copied: an unfitted build is enough, and quick.
     tokenizer = build_tiny_target(work / "tokenizer", pretrain_steps=0)

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Packs flash-attn-4 and NVIDIA's CuTe DSL (the "flash" attention backend) for the device tool, whose
-# calls carry at most 64 MiB. The CuTe compiler library alone is ~50 MB compressed, so it travels in a
-# call of its own (fa4a/), unpacked into /tmp/fa4site on the machine; the rest travels with the next call
-# (fa4b/), where gpu_session.sh installs both. Two calls back to back (the machine stays warm 30 s):
+# Packs flash-attn-4 and NVIDIA's CuTe DSL (the "flash" attention backend) for a GPU machine without
+# PyPI access that takes at most 64 MiB of files with each command. The CuTe compiler library alone is
+# ~50 MB compressed, so it goes over with a command of its own (fa4a/), unpacked into /tmp/fa4site on the
+# machine; the rest goes with the next command (fa4b/), where gpu_session.sh installs both:
 #   bash scripts/pack_flash.sh
-#   carry ["fa4a"]:          mkdir -p /tmp/fa4site && tar -xJf fa4a/ir.tar.xz -C /tmp/fa4site
-#   carry ["fa4b", ".whl"]:  bash scripts/gpu_session.sh <stages>
+#   with fa4a/:          mkdir -p /tmp/fa4site && tar -xJf fa4a/ir.tar.xz -C /tmp/fa4site
+#   with fa4b/ and .whl/:  bash scripts/gpu_session.sh <stages>
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FLASH=${FLASH:-flash-attn-4==4.0.0b36}

@@ -12,7 +12,8 @@ Default: the Qwen3-8B shape (--shape: dflash_core/target/shapes.py), drafter=dfl
 block 16, the spec's layer ids), 512 anchors, micro-batch 1, S = 2048 and 4096. `--tiny`
 (automatic without CUDA): the tiny target's shapes and drafter=tiny, small S. Options:
 launcher/bench/options.py. Prints progress as it goes and one table last; writes the same as JSON
-(--out, default $OUT/bench.json or runs/bench-<time>.json).
+(--out; default bench.json in the directory the OUT environment variable names, else
+runs/bench-<time>.json).
 """
 from __future__ import annotations
 

@@ -334,7 +334,7 @@ def stream(cmd: list[str], *, env: dict, timeout_s: float, prefix: str) -> tuple
 def child_env(*, tiny: bool, **extra) -> dict:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    # NVLink multicast stays off on shared multi-GPU hosts (the device machines set these; keep them).
+    # NVLink multicast stays off on shared multi-GPU hosts; a value the environment already sets is kept.
     for key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
         env.setdefault(key, "0" if key == "NCCL_NVLS_ENABLE" else "1")
     if tiny:
