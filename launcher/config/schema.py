@@ -319,5 +319,4 @@ class ExportJob:
 
 # "A path or a list of paths": a string is read as a list of one (launcher/config compose_config).
 PATH_LISTS = ("data.paths", "evaluate.data")
-GROUPS = {"target": TargetSettings, "drafter": DrafterSettings, "data": DataSettings, "optim": OptimSettings}
 ROOTS = {"config": TrainJob, "evaluate": EvaluateJob, "regenerate": RegenerateJob, "export": ExportJob}
