@@ -1,4 +1,4 @@
-"""The run directory (decided once per job), per-rank logging, and metrics files."""
+"""The run directory (decided once per job), per-rank logging, and the per-rank log of the micro-batches sent."""
 from __future__ import annotations
 
 import logging
