@@ -217,9 +217,8 @@ def longest_conversation(cfg: DictConfig) -> tuple[int, list[str]]:
     return longest, [key for key, length in lengths.items() if length == longest]
 
 
-def check_step_device(cfg: DictConfig, device: torch.device, compiled: bool) -> None:
-    """drafter.matmul_precision=fp8 and drafter.cuda_graph, refused (naming the key, the device and why)
-    where they cannot run."""
+def check_step_device(cfg: DictConfig, device: torch.device) -> None:
+    """drafter.matmul_precision=fp8, refused (naming the key, the device and why) where it cannot run."""
     from dflash_core.kernels import fp8
     if cfg.drafter.matmul_precision == "fp8":
         if (reason := fp8.unsupported_reason(device)) is not None:
@@ -228,16 +227,6 @@ def check_step_device(cfg: DictConfig, device: torch.device, compiled: bool) -> 
         if not fp8.torchao_available():
             raise ConfigError(f"drafter.matmul_precision=fp8: the drafter's FP8 linear layers are torchao's and "
                               f"torchao is not installed: {fp8.INSTALL_HINT}")
-    if cfg.drafter.cuda_graph:
-        if device.type != "cuda":
-            raise ConfigError(f"drafter.cuda_graph=True: not on device {device}: CUDA graphs need a GPU; "
-                              f"set drafter.cuda_graph=false")
-        if cfg.data.fixed_length is None:
-            raise ConfigError("drafter.cuda_graph=True: needs data.fixed_length (a CUDA graph replays one static "
-                              "shape)")
-        if not compiled:
-            raise ConfigError(f"drafter.cuda_graph=True: needs a compiled drafter, and drafter.compile="
-                              f"{cfg.drafter.compile} resolved to false here (the graphs are torch.compile's)")
 
 
 def step_settings(drafter: DrafterSettings, backend: str, compiled: bool) -> StepSettings:
@@ -248,8 +237,7 @@ def step_settings(drafter: DrafterSettings, backend: str, compiled: bool) -> Ste
                         gamma=default_gamma(drafter.block_size) if drafter.gamma is None else drafter.gamma,
                         dpace_alpha=drafter.dpace_alpha, backend=backend, chunk_blocks=drafter.chunk_blocks,
                         feature_noise_std=drafter.feature_noise_std, compiled=compiled,
-                        matmul_precision=drafter.matmul_precision, fp8_recipe=drafter.fp8_recipe,
-                        cuda_graph=drafter.cuda_graph)
+                        matmul_precision=drafter.matmul_precision, fp8_recipe=drafter.fp8_recipe)
 
 
 def resolve(cfg: DictConfig, topology: Topology, device: torch.device) -> Job:
@@ -264,7 +252,7 @@ def resolve(cfg: DictConfig, topology: Topology, device: torch.device) -> Job:
     backend = resolve_backend(cfg.drafter.backend, device)
     log.info("attention backend %s (drafter.backend=%s)", backend, cfg.drafter.backend)
     plan = compile_plan(cfg, backend, device, hf_config)
-    check_step_device(cfg, device, plan.compiled)
+    check_step_device(cfg, device)
     packed = packing(cfg, hf_config)
     target = TargetPlan(path=path, hf_config=hf_config, layer_ids=dcfg.target_layer_ids,
                         dtype=compute_dtype(cfg.target.dtype, device), parallel=cfg.target.parallel,

@@ -237,7 +237,7 @@ def run_hf(args, spec: dict) -> dict:
 
 # ---------------------------------------------------------------- comparison
 
-def _context_at(steps: list[dict], index: int, prompt_len: int):
+def _context_at(steps: list[dict], index: int):
     """position -> the latest features written for it up to step `index`, valid positions only
     (those before the step's first query position)."""
     written = {}
@@ -272,13 +272,13 @@ def _layer_difference(layer: int, hf: dict, vllm: dict) -> str:
             f"over its own cache {float((own - output).abs().max()):.1e}")
 
 
-def first_difference(hf_steps: list[dict], vllm_steps: list[dict], prompt_len: int) -> str | None:
+def first_difference(hf_steps: list[dict], vllm_steps: list[dict]) -> str | None:
     for i, (h, v) in enumerate(zip(hf_steps, vllm_steps)):
         found = []
         for key in ("query_positions", "query_ids", "attended_seq_len"):
             if h[key] != v[key]:
                 found.append(f"{key}: HF {h[key]}, vLLM {v[key]}")
-        hc, vc = _context_at(hf_steps, i, prompt_len), _context_at(vllm_steps, i, prompt_len)
+        hc, vc = _context_at(hf_steps, i), _context_at(vllm_steps, i)
         if set(hc) != set(vc):
             found.append(f"context positions: only HF {sorted(set(hc) - set(vc))[:8]}, "
                          f"only vLLM {sorted(set(vc) - set(hc))[:8]}")
@@ -333,7 +333,7 @@ def main() -> int:
     differing = 0
     for n, (ids, h, v) in enumerate(zip(spec["prompts"], hf["requests"], vllm["requests"])):
         same_output = hf["outputs"][n] == vllm["outputs"][n]
-        found = first_difference(h, v, len(ids))
+        found = first_difference(h, v)
         differing += found is not None
         gap = max(abs(a - b) for x, y in zip(h, v) if x["query_positions"] == y["query_positions"]
                   for rx, ry in zip(x["top_values"], y["top_values"]) for a, b in zip(rx, ry))

@@ -47,9 +47,9 @@ def test_drafter_step_flops_matches_a_hand_count():
 def test_min_bytes_and_target_flops_by_hand():
     cfg = toy_config()
     params = 2 * 576 + 2 * 8 * 8
-    assert drafter_step_min_bytes(cfg, 10, 2) == {"features": 10 * 16 * 2, "lm_head": 32 * 8 * 2,
-                                                  "params_and_adamw": 32 * params,
-                                                  "total": 320 + 512 + 32 * params}
+    assert drafter_step_min_bytes(cfg, 10) == {"features": 10 * 16 * 2, "lm_head": 32 * 8 * 2,
+                                               "params_and_adamw": 32 * params,
+                                               "total": 320 + 512 + 32 * params}
 
     class HF:
         hidden_size, num_attention_heads, num_key_value_heads, head_dim, intermediate_size = 8, 2, 1, 4, 16
@@ -61,7 +61,7 @@ def test_production_numbers_in_perf_notes_hold():
     """docs/perf_notes.md quotes the Qwen3-8B drafter step: 75.1 TFLOP, 35.0 GB at S=4096, 512 anchors."""
     cfg = qwen3_8b_drafter_config()
     assert round(drafter_step_flops(cfg, 4096, 512) / 1e12, 1) == 75.1
-    assert round(drafter_step_min_bytes(cfg, 4096, 512)["total"] / 1e9, 1) == 35.0
+    assert round(drafter_step_min_bytes(cfg, 4096)["total"] / 1e9, 1) == 35.0
     notes = (REPO / "docs" / "perf_notes.md").read_text()
     assert "75.1 TFLOP" in notes and "35.0 GB" in notes
 
@@ -101,19 +101,17 @@ def test_option_rows_say_how_much_faster_than_the_plain_row_of_their_length_and_
     from launcher.bench.report import Row
     rows = [{"n": Row.DRAFTER, "seq_len": 2048, "ms_per_step": 60.0}, {"n": Row.DRAFTER, "seq_len": 4096,
                                                                       "ms_per_step": 130.0}]
-    fp8 = "drafter.matmul_precision=fp8"
-    faster = against_bf16({"n": Row.FP8_DRAFTER, "seq_len": 4096, "ms_per_step": 104.0, "notes": "peak"}, rows, fp8)
+    faster = against_bf16({"n": Row.FP8_DRAFTER, "seq_len": 4096, "ms_per_step": 104.0, "notes": "peak"}, rows)
     assert faster["speedup_vs_bf16"] == pytest.approx(1.25)
     assert faster["notes"].startswith("1.25x the step of row 3: train with drafter.matmul_precision=fp8")
     assert faster["notes"].endswith("; peak")
-    slower = against_bf16({"n": Row.GRAPH_DRAFTER, "seq_len": 2048, "ms_per_step": 75.0}, rows,
-                          "drafter.cuda_graph=true")
-    assert "0.80x" in slower["notes"] and "leave drafter.cuda_graph at its default here" in slower["notes"]
-    level = against_bf16({"n": Row.GRAPH_DRAFTER, "seq_len": 4096, "ms_per_step": 129.0}, rows,
-                         "drafter.cuda_graph=true")   # 1.008x: within the step time's run-to-run spread
-    assert level["notes"].startswith("1.01x the step of row 3: leave drafter.cuda_graph at its default here")
+    slower = against_bf16({"n": Row.FP8_DRAFTER, "seq_len": 2048, "ms_per_step": 75.0}, rows)
+    assert "0.80x" in slower["notes"] and "leave drafter.matmul_precision at its default here" in slower["notes"]
+    # 1.008x: within the step time's run-to-run spread
+    level = against_bf16({"n": Row.FP8_DRAFTER, "seq_len": 4096, "ms_per_step": 129.0}, rows)
+    assert level["notes"].startswith("1.01x the step of row 3: leave drafter.matmul_precision at its default here")
     alone = {"n": Row.FP8_DRAFTER, "seq_len": 8192, "ms_per_step": 200.0}
-    assert against_bf16(alone, rows, fp8) == alone   # no bf16 row of that length: nothing to compare
+    assert against_bf16(alone, rows) == alone   # no bf16 row of that length: nothing to compare
 
 
 def test_format_table_lists_every_row():
@@ -494,9 +492,8 @@ def test_tiny_harness_end_to_end(tmp_path, tiny_target_dir):
     by_n = {}
     for r in rows:
         by_n.setdefault(r["n"], []).append(r)
-    assert sorted(by_n) == list(range(1, 14))
+    assert sorted(by_n) == list(range(1, 13))
     assert all(r["notes"].startswith("skipped: cpu has no FP8") for r in by_n[11] + by_n[12])   # no FP8 on CPU
-    assert [r["notes"] for r in by_n[13]] == ["skipped: cpu has no CUDA graphs"]
     ceiling = by_n[1][0]["tflops"]
     assert ceiling > 0 and by_n[1][0]["mfu"] == 1.0
     for r in by_n[2] + by_n[3] + by_n[7] + by_n[8]:   # MFU = FLOPs / step time / ceiling, row by row

@@ -1,6 +1,6 @@
 """drafter.matmul_precision=fp8 on the CPU (torch._scaled_mm's row-wise e4m3 products run there too): the
 FP8 products are exactly the fp32 products of their dequantised operands, and within what e4m3's rounding
-allows of the bf16 ones; fp8 and drafter.cuda_graph are refused where they cannot run.
+allows of the bf16 ones; fp8 is refused where it cannot run.
 
 Tolerances, per element of a product C = A B over a contraction of K:
   * against the dequantised operands, the only differences are fp32 accumulation (at most K fp32
@@ -15,7 +15,6 @@ import pytest
 import torch
 from torch import nn
 
-from dflash_core.drafter.compile import CompiledFunction, use_cuda_graphs
 from dflash_core.kernels import fp8
 from dflash_core.kernels.fp8 import Fp8HeadWeight, dequantise, quantise_rows
 from dflash_core.loss.frozen_head import FrozenTargetHead
@@ -232,7 +231,7 @@ def test_a_missing_torchao_names_the_extra(monkeypatch):
     monkeypatch.setattr(fp8, "torchao_available", lambda: False)
     monkeypatch.setattr(fp8, "unsupported_reason", lambda device: None)
     with pytest.raises(ConfigError, match=r"drafter.matmul_precision=fp8: .*torchao is not installed: pip install"):
-        check_step_device(compose_config(["drafter.matmul_precision=fp8"]), torch.device("cuda"), compiled=True)
+        check_step_device(compose_config(["drafter.matmul_precision=fp8"]), torch.device("cuda"))
 
 
 def test_fp8_is_refused_on_the_cpu_naming_key_device_and_reason(tiny_target_dir):
@@ -248,37 +247,7 @@ def test_fp8_is_refused_on_a_gpu_before_ada(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     with pytest.raises(ConfigError, match=r"not on device cuda:0: NVIDIA A100-SXM4-80GB has CUDA capability 8.0; "
                                           r"FP8 matmuls need 8.9"):
-        check_step_device(compose_config(["drafter.matmul_precision=fp8"]), torch.device("cuda", 0), compiled=True)
-
-
-@pytest.mark.parametrize("overrides,device,compiled,message", [
-    (["data.fixed_length=256"], "cpu", True, r"drafter.cuda_graph=True: not on device cpu: CUDA graphs need a GPU"),
-    ([], "cuda", True, r"drafter.cuda_graph=True: needs data.fixed_length"),
-    (["data.fixed_length=256", "drafter.compile=false"], "cuda", False,
-     r"drafter.cuda_graph=True: needs a compiled drafter, and drafter.compile=False resolved to false"),
-])
-def test_cuda_graphs_are_refused_without_a_gpu_a_static_shape_or_compilation(overrides, device, compiled, message):
-    cfg = compose_config(["drafter.cuda_graph=true", *overrides])
-    with pytest.raises(ConfigError, match=message):
-        check_step_device(cfg, torch.device(device), compiled)
-    check_step_device(compose_config(overrides), torch.device(device), compiled)   # without it: accepted
-
-
-def test_cuda_graphs_compile_the_training_calls_with_reduce_overhead(monkeypatch):
-    """Training calls (gradients enabled) are CUDA-graphed; evaluation calls keep the plain compile: without
-    a pending backward, cudagraph trees would free each layer's output before the next layer reads it."""
-    modes = []
-    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: modes.append(kwargs["mode"]) or fn)
-    graphed = CompiledFunction("graphed", lambda x: x + 1)
-    try:
-        use_cuda_graphs(True)
-        assert graphed(1) == 2 and graphed(2) == 3   # one wrapper per mode, made once
-        with torch.no_grad():
-            assert graphed(1) == 2
-    finally:
-        use_cuda_graphs(False)
-    assert CompiledFunction("plain", lambda x: x)(1) == 1
-    assert modes == ["reduce-overhead", None, None]
+        check_step_device(compose_config(["drafter.matmul_precision=fp8"]), torch.device("cuda", 0))
 
 
 @needs_cpu_fp8
@@ -340,7 +309,7 @@ def test_the_parity_script_compares_smoothed_curves_and_tau_on_the_same_data():
     assert parity.smoothed([1.0, 2.0, 3.0, 4.0], 2) == [1.5, 2.5, 3.5]
     bf16 = {"losses": [2.0] * 30, "tau": 3.0, "step_ms_median": 130.0, "peak_memory_gib": 20.0}
     fp8_run = {"losses": [2.0] * 10 + [2.03] * 20, "tau": 2.95, "step_ms_median": 100.0, "peak_memory_gib": 21.0}
-    against = parity.compare({"bf16": bf16, "fp8": fp8_run, "bf16_graph": {"error": "exit 1"}}, window=5)
+    against = parity.compare({"bf16": bf16, "fp8": fp8_run, "bf16_again": {"error": "exit 1"}}, window=5)
     assert list(against) == ["fp8"]
     assert against["fp8"]["max_rel_loss_diff"] == pytest.approx(0.015) and not against["fp8"]["loss_within_1pct"]
     assert against["fp8"]["tau_within_2pct"] and against["fp8"]["speedup_vs_bf16"] == pytest.approx(1.3)

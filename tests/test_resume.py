@@ -49,6 +49,18 @@ def test_same_micro_batches_per_step_resume_and_other_changes_are_warned(make_jo
     assert "optim.lr: checkpoint 0.0006, now 0.001" in caplog.text
 
 
+def test_a_checkpoint_recording_a_setting_removed_since_resumes_naming_it(make_job, tmp_path, caplog):
+    import json
+    # Runs trained before drafter.cuda_graph was removed (issue 42) recorded it in meta.json's config.
+    meta_file = _trained(make_job(), tmp_path, 20) / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["config"]["drafter.cuda_graph"] = False
+    meta_file.write_text(json.dumps(meta))
+    with caplog.at_level("WARNING", logger="dflash"):
+        assert resume.choose(make_job(), tmp_path).step == 20
+    assert "changed settings: drafter.cuda_graph: checkpoint False, now no such setting" in caplog.text
+
+
 @pytest.mark.parametrize("override,named", [
     ("train.micro_batch_size=2", "train.micro_batch_size: checkpoint 4, now 2"),
     ("run.seed=1", "run.seed: checkpoint 0, now 1"),

@@ -4,9 +4,7 @@ Each OS process compiles its own copies (the launcher runs one process per GPU, 
 threads ever share dynamo's or FX's process-global state). Shapes are static (a fixed
 anchor count and sequence length), so a process compiles each callable once per distinct
 input kind; `graphs()` must stay constant in steady-state training, and `report()` says where
-the cold start went. `use_cuda_graphs` (drafter.cuda_graph) compiles their training calls with mode
-"reduce-overhead": torch.compile's cudagraph trees replay each compiled graph as one CUDA graph, so
-the host launches a graph, not its kernels.
+the cold start went.
 """
 
 from __future__ import annotations
@@ -18,38 +16,30 @@ import torch
 from torch._dynamo.utils import counters
 
 _WRAPPING = threading.Lock()
-CUDA_GRAPH_MODE = "reduce-overhead"
-_mode: str | None = None   # torch.compile's mode for the training calls of this process (None: its default)
 
 
 class CompiledFunction:
     """torch.compile(fn, dynamic=False), counting the dynamo graphs its calls compile and the
     seconds those calls took (the forward's compile; a backward compiles lazily in autograd and
-    is reported by dynamo's own timers, see `report`).
-
-    Under use_cuda_graphs, calls with gradients enabled (a training forward) run a CUDA-graphed
-    copy; calls without (evaluation; the head loss inside its autograd Function) keep the plain one.
-    Without a pending backward, cudagraph trees start a new iteration at every call and free the
-    last call's outputs, and a forward feeds each layer's output to the next call."""
+    is reported by dynamo's own timers, see `report`)."""
 
     def __init__(self, name: str, fn):
         self.name = name
         self._fn = fn
-        self._compiled: dict[str | None, object] = {}   # torch.compile mode -> its wrapper
+        self._compiled = None
         self.graphs = 0
         self.seconds = 0.0
 
     def _wrapper(self):
-        mode = _mode if torch.is_grad_enabled() else None
-        if mode not in self._compiled:
+        if self._compiled is None:
             # Wrapped on first use: torch.compile imports inductor (docs/perf_notes.md, "Figures the code
             # quoted"), which a process that never compiles (a CPU target, a drafter without a static
             # shape) need not pay. The lock keeps it one wrapper when threads (the bench's thread
             # baseline) call it first together.
             with _WRAPPING:
-                if mode not in self._compiled:
-                    self._compiled[mode] = torch.compile(self._fn, dynamic=False, mode=mode)
-        return self._compiled[mode]
+                if self._compiled is None:
+                    self._compiled = torch.compile(self._fn, dynamic=False)
+        return self._compiled
 
     def __call__(self, *args, **kwargs):
         compiled = self._wrapper()
@@ -72,13 +62,6 @@ def compiled_function(name: str, fn) -> CompiledFunction:
         raise ValueError(f"a compiled callable named {name!r} exists already")
     _REGISTRY[name] = CompiledFunction(name, fn)
     return _REGISTRY[name]
-
-
-def use_cuda_graphs(enabled: bool) -> None:
-    """Run every callable's training calls as CUDA graphs (torch.compile mode "reduce-overhead"), or not,
-    from the next call on (a process sets it once, before its first step)."""
-    global _mode
-    _mode = CUDA_GRAPH_MODE if enabled else None
 
 
 def compile_count(name: str | None = None) -> int:

@@ -25,7 +25,6 @@ class StepSettings:
     compiled: bool             # drafter.compile resolved: the layers and the head loss through torch.compile
     matmul_precision: str = "bf16"   # bf16 | fp8: the drafter's linear layers and the LM head's products
     fp8_recipe: str = FP8_RECIPES[0]  # with fp8: torchao's recipe for the linear layers
-    cuda_graph: bool = False         # training calls of the compiled callables as CUDA graphs (reduce-overhead)
 
     def __post_init__(self):
         if self.loss not in LOSS_TYPES:
@@ -38,5 +37,3 @@ class StepSettings:
                              f"{MATMUL_PRECISIONS}")
         if self.fp8_recipe not in FP8_RECIPES:
             raise ValueError(f"StepSettings.fp8_recipe={self.fp8_recipe!r}: expected one of {FP8_RECIPES}")
-        if self.cuda_graph and not self.compiled:
-            raise ValueError("StepSettings.cuda_graph=True: needs compiled=True (the graphs are torch.compile's)")

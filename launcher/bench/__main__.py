@@ -5,8 +5,7 @@ shapes; speed does not depend on them): the matmul ceiling; per sequence length 
 (every token real and supervised): target alone, drafter alone, end to end, their balance and the
 old design's thread baseline; at --mix-seq the length-mix rows (mix.py: --lengths FILE or the
 built-in mix), padded and packed: target alone, drafter alone, end to end, their balance; where the
-GPU has FP8 matmuls, the FP8 ceiling and the full drafter rows again in FP8, and on a CUDA GPU with
-CUDA graphs (option_rows.py).
+GPU has FP8 matmuls, the FP8 ceiling and the full drafter rows again in FP8 (option_rows.py).
 
 Default: the Qwen3-8B shape (--shape: dflash_core/target/shapes.py), drafter=dflash5 (5 layers,
 block 16, the spec's layer ids), 512 anchors, micro-batch 1, S = 2048 and 4096. `--tiny`
@@ -34,7 +33,7 @@ import torch
 from launcher.bench.ceiling import matmul_ceiling, plausible_peak, usable_ceiling
 from launcher.bench.inputs import write_bench_target, write_mix_conversations, write_synthetic_data
 from launcher.bench.mix import REFERENCE_LENGTH, builtin_mix, mix_batches, mix_from_file, synthesize_samples
-from launcher.bench.option_rows import measure_fp8_ceiling, measure_fp8_drafter, measure_graph_drafter
+from launcher.bench.option_rows import measure_fp8_ceiling, measure_fp8_drafter
 from launcher.bench.options import answer_flags, parse_args
 from launcher.bench.report import Row, format_table
 from launcher.bench.rows import balance_rows, baseline_row, e2e_row, load_stage_rates, measured, stage_rates
@@ -70,7 +69,6 @@ def run(args) -> dict:
     drafter_ceiling = fp8_ceiling if job.step.matmul_precision == "fp8" else ceiling
     rates = _measure_stages(bench, job, full, mixes, ceiling, drafter_ceiling)
     measure_fp8_drafter(bench, full, fp8_ceiling)
-    measure_graph_drafter(bench, full, ceiling)
     full_e2e = None if args.mix_only else _measure_e2e(bench, "full", rates)
     bench.rows += _balance_rows(bench, rates)
     if not args.mix_only:

@@ -65,7 +65,7 @@ def drafter_step_flops(cfg, seq_len: int, anchors) -> float:
     return drafter_step_flops_breakdown(cfg, seq_len, anchors)["total"]
 
 
-def drafter_step_min_bytes(cfg, seq_len: int, anchors: int) -> dict:
+def drafter_step_min_bytes(cfg, seq_len: int) -> dict:
     """A lower bound on the HBM bytes one drafter step must move, every tensor touched once:
     the bf16 features read (S * L*H * 2), the bf16 LM head read (V*H*2; the embedding gather is
     negligible), and per matrix weight 32 B (launcher/distributed/sharded_adamw.py): its bf16 compute

@@ -62,7 +62,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-e2e", action="store_true")
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--skip-fp8", action="store_true", help="no FP8 rows (the FP8 ceiling, the drafter in fp8)")
-    p.add_argument("--skip-graph", action="store_true", help="no CUDA-graph row (the drafter with drafter.cuda_graph)")
     p.add_argument("--skip-full-forward", action="store_true", help="target rows: no untruncated-model comparison")
     p.add_argument("--e2e-timeout", type=float)
     p.add_argument("--baseline-timeout", type=float)

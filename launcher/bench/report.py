@@ -21,7 +21,6 @@ class Row(IntEnum):
     MIX_BALANCE = 10  # the split advice from MIX_TARGET and MIX_DRAFTER
     FP8_CEILING = 11  # row-wise scaled e4m3 matmuls (drafter.matmul_precision=fp8's products): the FP8 MFU denominator
     FP8_DRAFTER = 12  # full rows: DRAFTER's step with drafter.matmul_precision=fp8, MFU against FP8_CEILING
-    GRAPH_DRAFTER = 13  # full rows: DRAFTER's step with drafter.cuda_graph=true (cudagraph trees)
 
 # (header, row key, format): tokens/s are real (non-padding) tokens; blocks/s are supervised blocks
 # (valid anchors) per second per drafter GPU; fill is anchor_fill; pad the padding share forwarded.

@@ -79,9 +79,6 @@ class DrafterSettings:
                                                   "rowwise_with_gw_hp (row-wise scales; the weight gradient in bf16) | "
                                                   "rowwise (that one in FP8 too) | tensorwise (one scale per tensor)",
                            choices=("rowwise_with_gw_hp", "rowwise", "tensorwise"))
-    cuda_graph: bool = knob(False, "replay a training step's compiled layers and norms as CUDA graphs "
-                                   "(torch.compile mode reduce-overhead); needs a GPU, data.fixed_length and "
-                                   "drafter.compile")
     loss: str = knob("dflash", "loss weighting: dflash (exp decay over slots) | dpace", choices=("dflash", "dpace"))
     gamma: Optional[float] = knob(None, "dflash decay constant; null: by block size (7 for 16, 5 for 10, 4 for 8)",
                                   gt=0)
@@ -322,5 +319,4 @@ class ExportJob:
 
 # "A path or a list of paths": a string is read as a list of one (launcher/config compose_config).
 PATH_LISTS = ("data.paths", "evaluate.data")
-GROUPS = {"target": TargetSettings, "drafter": DrafterSettings, "data": DataSettings, "optim": OptimSettings}
 ROOTS = {"config": TrainJob, "evaluate": EvaluateJob, "regenerate": RegenerateJob, "export": ExportJob}

@@ -19,7 +19,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from dflash_core.drafter.compile import use_cuda_graphs
 from dflash_core.drafter.model import DFlashDrafter
 from dflash_core.kernels import fp8
 from dflash_core.loss.frozen_head import FrozenTargetHead
@@ -95,7 +94,6 @@ class DrafterTrainer:
         if job.step.matmul_precision == "fp8":   # before the optimiser: it holds the converted layers' weights
             fp8.convert_linears(self.drafter, job.step.fp8_recipe)
             self.head.use_fp8()
-        use_cuda_graphs(job.step.cuda_graph)
         o = job.optim
         # fp32 masters sharded over the drafter ranks; the drafter computes on the bf16 copies the update
         # writes (on GPU); it also sums the ranks' gradients (launcher/distributed/sharded_adamw.py).
@@ -158,7 +156,6 @@ class DrafterTrainer:
         the update on every rank alike: the AdamW step leaves weights, moments and step count as
         they were where `skipped` is set, so the decision needs no host read either."""
         started = self._step_start()
-        self._mark_graph_step()
         counts = StepCounts.zeros(self.dcfg.block_size, self.device)
         for a, batch in enumerate(batches):
             self.optimizer.begin_backward(first=a == 0, last=a == len(batches) - 1)
@@ -181,12 +178,6 @@ class DrafterTrainer:
         self.scheduler.step()   # the learning rate stays a function of the step, skipped or not
         self.optimizer.zero_grad(set_to_none=True)
         return LaunchedStep(counts, norm, skipped, started)
-
-    def _mark_graph_step(self) -> None:
-        """With CUDA graphs, a new step: cudagraph trees may reuse the last step's graph outputs (all read by
-        now), whatever ran in between (evaluation, the host reading a result)."""
-        if self.job.step.cuda_graph:
-            torch.compiler.cudagraph_mark_step_begin()
 
     def _update(self, multiplier: torch.Tensor, skipped: torch.Tensor) -> None:
         """AdamW on gradients * multiplier, or no update at all where `skipped`. The kernel (on CUDA

@@ -99,8 +99,13 @@ def _check_data_files(meta: dict, now: dict, path: Path, step: int) -> None:
 
 def _changes(saved: dict, now: dict, skip=()) -> list[str]:
     keys = [k for k in dict.fromkeys([*saved, *now]) if not k.startswith(skip)]
-    return [f"{key}: checkpoint {saved.get(key)!r}, now {now.get(key)!r}" for key in keys
+    return [f"{key}: checkpoint {_recorded(saved, key)}, now {_recorded(now, key)}" for key in keys
             if saved.get(key) != now.get(key)]
+
+
+def _recorded(record: dict, key: str) -> str:
+    # A key one side lacks is a setting added or removed since (e.g. drafter.cuda_graph, issue 42), not a null.
+    return repr(record[key]) if key in record else "no such setting"
 
 
 def _stream_consequence(saved: dict, now: dict, step: int) -> str:

@@ -1,7 +1,6 @@
-"""The run directory (decided once per job), per-rank logging, and metrics files."""
+"""The run directory (decided once per job), per-rank logging, and the per-rank log of the micro-batches sent."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -42,17 +41,6 @@ def setup_logging(tag: str, console_level: int, log_file: Path | None = None) ->
         file_handler = logging.FileHandler(log_file)
         file_handler.setFormatter(fmt)
         log.addHandler(file_handler)
-
-
-class JsonlWriter:
-    def __init__(self, path: Path):
-        self._file = open(path, "a", buffering=1)
-
-    def write(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
-
-    def close(self) -> None:
-        self._file.close()
 
 
 class SeqLog:
