@@ -1,7 +1,7 @@
 """Files that are there but cannot be used (truncated, corrupt, not what they should be), checkpoints
 pruned under a reader, and a drafter evaluated with a target it was not trained for: each entry point
 names the file or the mismatch, with no traceback and no earlier result replaced (issues 31 and 33;
-README "Bad input")."""
+docs/bad_input.md)."""
 import dataclasses
 import json
 import shutil

@@ -1,4 +1,4 @@
-"""Bad input gets a clear error naming the bad value (README's table lists these cases)."""
+"""Bad input gets a clear error naming the bad value (docs/bad_input.md lists these cases)."""
 import json
 import shutil
 

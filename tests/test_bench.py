@@ -481,7 +481,6 @@ def test_bad_bench_flags_are_clear_errors(capsys):
 def test_tiny_harness_end_to_end(tmp_path, tiny_target_dir):
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("OUT", None)
     proc = subprocess.run([sys.executable, "-m", "launcher.bench", "--tiny", "--out", str(out), "--seq", "128",
                            "--modes", "packed", "--tokenizer", str(tiny_target_dir), "--work-dir", str(tmp_path / "w")],
                           cwd=REPO, capture_output=True, text=True, timeout=240, env=env)

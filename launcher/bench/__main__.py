@@ -3,7 +3,7 @@
 Every row of launcher/bench/report.py's `Row`, measured in one run (random weights at the real
 shapes; speed does not depend on them): the matmul ceiling; per sequence length the full rows
 (every token real and supervised): target alone, drafter alone, end to end, their balance and the
-old design's thread baseline; at --mix-seq the length-mix rows (mix.py: --lengths FILE or the
+thread baseline (drafters as threads of one process); at --mix-seq the length-mix rows (mix.py: --lengths FILE or the
 built-in mix), padded and packed: target alone, drafter alone, end to end, their balance; where the
 GPU has FP8 matmuls, the FP8 ceiling and the full drafter rows again in FP8 (option_rows.py).
 
@@ -11,15 +11,13 @@ Default: the Qwen3-8B shape (--shape: dflash_core/target/shapes.py), drafter=dfl
 block 16, the spec's layer ids), 512 anchors, micro-batch 1, S = 2048 and 4096. `--tiny`
 (automatic without CUDA): the tiny target's shapes and drafter=tiny, small S. Options:
 launcher/bench/options.py. Prints progress as it goes and one table last; writes the same as JSON
-(--out; default bench.json in the directory the OUT environment variable names, else
-runs/bench-<time>.json).
+(--out; default runs/bench-<time>.json).
 """
 from __future__ import annotations
 
 import dataclasses
 import gc
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -289,7 +287,7 @@ def _measure_baseline(bench: Bench, job: Job, full_e2e: dict | None) -> None:
 
 def _baseline_row(bench: Bench, job: Job, full_e2e: dict | None) -> dict:
     args = bench.args
-    progress(f"row {Row.BASELINE:d}: thread baseline (old design), S={args.e2e_seq}")
+    progress(f"row {Row.BASELINE:d}: thread baseline (drafters as threads), S={args.e2e_seq}")
     first_drafter_cache = bench.work / "compile_cache" / f"drafter{bench.e2e_topology.num_targets}"
     result = baseline_stage(_baseline_spec(bench, job), work=bench.work, tiny=args.tiny,
                             timeout_s=args.baseline_timeout,
@@ -320,8 +318,6 @@ def _free(device: torch.device) -> None:
 
 
 def default_out() -> Path:
-    if os.environ.get("OUT"):
-        return Path(os.environ["OUT"]) / "bench.json"
     return REPO / "runs" / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
 
 
