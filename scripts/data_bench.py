@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import resource
 import subprocess
@@ -46,17 +45,17 @@ def sentence_block(rng: random.Random, words: int) -> str:
 
 def write_chats(path: Path, count: int, seed: int = 0) -> Path:
     """`count` synthetic conversations (a pure function of count and seed), written once."""
+    from dflash_core.files.durable import atomic_file
     if path.is_file():
         return path
-    rng, tmp = random.Random(seed), path.with_suffix(".tmp")
+    rng = random.Random(seed)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(tmp, "w") as f:
+    with atomic_file(path, "w") as f:
         for k in range(count):
             messages = [{"role": "system", "content": "You are a helpful assistant."},
                         {"role": "user", "content": sentence_block(rng, PROMPT_WORDS)},
                         {"role": "assistant", "content": sentence_block(rng, ANSWER_WORDS)}]
             f.write(json.dumps({"id": k, "messages": messages}) + "\n")
-    os.replace(tmp, path)
     return path
 
 

@@ -41,7 +41,7 @@ def test_latest_complete_checkpoint_and_pruning(tmp_path):
 def test_crash_mid_write_leaves_previous_loadable(tmp_path):
     checkpoint.save(tmp_path, 10, _state(10), keep=3)
     # A writer killed before its rename leaves only a temporary dir behind.
-    torn = tmp_path / f".tmp_step_00000020_{os.getpid() + 1}"
+    torn = tmp_path / f".step_00000020.{os.getpid() + 1}.tmp"
     torn.mkdir()
     (torn / "state.pt").write_bytes(b"\x80partial")
     assert checkpoint.load_latest(tmp_path)[1] == 10
@@ -126,7 +126,7 @@ def test_a_writer_killed_mid_write_leaves_nothing_after_the_next_save(tmp_path, 
     finally:
         writer.send_signal(signal.SIGKILL)
         writer.wait(timeout=60)
-    left = tmp_path / f".tmp_step_00000020_{writer.pid}"
+    left = tmp_path / f".step_00000020.{writer.pid}.tmp"
     assert (left / "state.pt").is_file()   # what the dead writer left: the previous checkpoint still loads
     assert checkpoint.load_latest(tmp_path)[1] == 10
     with caplog.at_level("WARNING", logger="dflash"):
@@ -139,7 +139,7 @@ def test_a_dead_writers_pointer_and_lineage_temporaries_go_too(tmp_path):
     checkpoint.save(tmp_path, 10, _state(10), keep=5)
     dead = subprocess.Popen(["true"])
     dead.wait()
-    for name in (f".latest_{dead.pid}", f".lineage.json_{dead.pid}"):
+    for name in (f".latest.{dead.pid}.tmp", f".lineage.json.{dead.pid}.tmp"):
         (tmp_path / name).write_text("step_000")
     unrelated = tmp_path / "notes.txt"   # not a writer's temporary: never touched
     unrelated.write_text("mine")

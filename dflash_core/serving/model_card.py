@@ -8,10 +8,10 @@ evaluation can add the real acceptance length and render the card again without 
 
 import hashlib
 import json
-import os
 import shlex
 from pathlib import Path
 
+from ..files.durable import write_atomic
 from ..files.readers import read_json
 
 CARD_NAME = "README.md"
@@ -54,7 +54,8 @@ def write_model_card(out_dir, info):
     out_dir = Path(out_dir)
     config_path = out_dir / "config.json"
     config = read_json(config_path) if config_path.is_file() else {}
-    _write_atomically(out_dir / CARD_NAME, render_model_card(info, config))
+    # World-readable whatever the umask: a server running as another user reads the export.
+    write_atomic(out_dir / CARD_NAME, render_model_card(info, config), permissions=0o644)
 
 
 def read_card_info(out_dir):
@@ -223,13 +224,3 @@ def _format(value):
 def _cell(text):
     """Text safe in a Markdown table cell: a "|" would end the cell, a newline the row."""
     return text.replace("|", "\\|").replace("\n", " ")
-
-
-def _write_atomically(path, text):
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)

@@ -94,6 +94,18 @@ def config_hash(cfg: DictConfig) -> str:
     return hashlib.sha256(config_yaml(cfg).encode()).hexdigest()[:16]
 
 
+def flat_config(cfg: DictConfig) -> dict:
+    """The resolved config as {"section.key": value} (a list stays one value): what a checkpoint
+    records and the trackers log as parameters."""
+    def walk(node: dict, prefix: str):
+        for key, value in node.items():
+            if isinstance(value, dict):
+                yield from walk(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", value
+    return dict(walk(OmegaConf.to_container(cfg, resolve=True), ""))
+
+
 def require(cfg: DictConfig, ok: bool, key: str, why: str) -> None:
     """Raise a ConfigError naming `key` and its value unless `ok`."""
     if not ok:

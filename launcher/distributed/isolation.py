@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from dflash_core.files.durable import atomic_file, write_atomic
+
 # Kernel caches inside a process's cache dir that torch's cache artefacts do not carry (whole, at least).
 TRITON_CACHE, FLASH_CACHE = "triton", "flash_attn"   # every Triton kernel; flash-attn-4's CuTe kernels
 # Extract regular files and directories only, inside the target (Python >= 3.12 filters; older ones trust
@@ -137,14 +139,10 @@ class CompileShare:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         caches = [name for name in (TRITON_CACHE, FLASH_CACHE) if (self.cache_dir / name).is_dir()]
         if caches:
-            tmp = self.kernels_path.with_name(f".{self.kernels_path.name}.{os.getpid()}.tmp")
-            with tarfile.open(tmp, "w") as archive:
+            with atomic_file(self.kernels_path) as file, tarfile.open(fileobj=file, mode="w") as archive:
                 for name in caches:
                     archive.add(self.cache_dir / name, arcname=name)
-            os.replace(tmp, self.kernels_path)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(saved[0] if saved is not None else b"")
-        os.replace(tmp, self.path)
+        write_atomic(self.path, saved[0] if saved is not None else b"")
         return self.path
 
 

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash_core.data import file_digest
 from dflash_core.data.prompts import Prompt, encode_prompts, iter_prompts
+from dflash_core.files.durable import atomic_file
 from launcher.config import ConfigError
 from launcher.resolve import dataset_paths
 
@@ -192,10 +193,8 @@ def merge_parts(parts: Path, world: int, num_prompts: int, output: Path) -> int:
     for rank in range(world):
         records.update(read_part(part_file(parts, rank)))
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")  # same directory: the rename is atomic
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_file(output, "w", encoding="utf-8") as f:
         for index in range(num_prompts):
             if index in records:  # absent: the answer came back empty
                 f.write(json.dumps(records[index], ensure_ascii=False) + "\n")
-    os.replace(tmp, output)
     return sum(index in records for index in range(num_prompts))

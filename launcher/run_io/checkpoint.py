@@ -25,45 +25,20 @@ from pathlib import Path
 
 import torch
 
-from dflash_core.files.durable import fsync_path
+from dflash_core.files.durable import durable_file, fsync_path, temporary_sibling, write_atomic
 from dflash_core.files.readers import load_torch, read_json
 
 log = logging.getLogger("dflash")
 _NAME = re.compile(r"^step_(\d{8})$")
-# What a writer names its files before the rename that publishes them: .tmp_step_XXXXXXXX_<pid> (a checkpoint),
-# .latest_<pid> and .lineage.json_<pid> (the pointer and the lineage record).
-_TEMPORARY = re.compile(r"^\.(?:tmp_step_\d{8}|latest|lineage\.json)_(\d+)$")
+# What a writer names a checkpoint, the pointer and the lineage record before the rename that publishes them
+# (durable.temporary_sibling): .step_XXXXXXXX.<pid>.tmp, .latest.<pid>.tmp, .lineage.json.<pid>.tmp.
+_TEMPORARY = re.compile(r"^\.(?:step_\d{8}|latest|lineage\.json)\.(\d+)\.tmp$")
 LINEAGE_FILE = "lineage.json"
 POINTER = "latest"
 
 
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written; the message names the path and the cause."""
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_state(path: Path, state: dict) -> None:
-    # Through a Python file object, so a failed write keeps its OSError (errno) as the cause.
-    with open(path, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _replace_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}_{os.getpid()}")
-    try:
-        _write_file(tmp, data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_path(path.parent)
 
 
 def rng_state() -> dict:
@@ -93,8 +68,7 @@ def start_lineage(root: Path, parent: str | None = None, **about) -> str:
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     lineage = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
-    _replace_atomically(root / LINEAGE_FILE, json.dumps({"id": lineage, "parent": parent, "started": time.time(),
-                                                         **about}).encode())
+    write_atomic(root / LINEAGE_FILE, json.dumps({"id": lineage, "parent": parent, "started": time.time(), **about}))
     return lineage
 
 
@@ -162,20 +136,23 @@ def save(root: Path, step: int, state: dict, keep: int, record: dict | None = No
     lineage = _lineage_id(root)
     final = root / f"step_{step:08d}"
     _check_ours(final, lineage)
-    tmp = root / f".tmp_step_{step:08d}_{os.getpid()}"
+    tmp = temporary_sibling(final)
     _remove_stale_temporaries(root)
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        _write_state(tmp / "state.pt", state)
+        # Through a Python file object, so a failed write keeps its OSError (errno) as the cause.
+        with durable_file(tmp / "state.pt") as file:
+            torch.save(state, file)
         meta = {"step": step, "lineage": lineage, "saved": time.time(), **(record or {})}
-        _write_file(tmp / "meta.json", json.dumps(meta).encode())
+        with durable_file(tmp / "meta.json") as file:
+            file.write(json.dumps(meta).encode())
         fsync_path(tmp)
         if final.exists():   # this lineage re-saving a step (after falling back from a broken one)
             shutil.rmtree(final)
         os.replace(tmp, final)
         fsync_path(root)
-        _replace_atomically(root / POINTER, final.name.encode())
+        write_atomic(root / POINTER, final.name)
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         previous = pointed(root)

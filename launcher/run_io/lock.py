@@ -26,6 +26,8 @@ import time
 import uuid
 from pathlib import Path
 
+from dflash_core.files.durable import write_atomic
+
 log = logging.getLogger("dflash")
 LOCK_NAME = "job.lock"
 REFRESH_S = 20.0
@@ -114,12 +116,6 @@ def _read(path: Path) -> dict | None:
         return None   # torn by a writer killed mid-write (writes are atomic, so only from outside): stale
 
 
-def _write(path: Path, record: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
-
-
 @contextlib.contextmanager
 def _guard(run_dir: Path):
     """Serialise the check-and-take of jobs starting at once (flock on the dir; best effort where the
@@ -152,7 +148,7 @@ class RunLock:
                     raise RunDirBusy(f"run.dir={str(run_dir)!r} is in use by another job: {describe(holder)}; wait "
                                      f"for it to end or pick another run.dir (if that job is dead, delete {path})")
                 log.warning("taking over the lock of %s: %s", describe(holder), why)
-            _write(path, me)
+            write_atomic(path, json.dumps(me))
         lock = cls(path, me)
         lock._thread.start()
         atexit.register(lock.release)
@@ -166,7 +162,7 @@ class RunLock:
                 return
             self.record["refreshed"] = time.time()
             with contextlib.suppress(OSError):
-                _write(self.path, self.record)
+                write_atomic(self.path, json.dumps(self.record))
 
     def release(self) -> None:
         """Remove the lock if it is still this job's (a clean end)."""

@@ -14,6 +14,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from launcher.config import flat_config
+
 
 def flatten(record: dict) -> dict[str, float]:
     """Scalars of a record; a list (e.g. per-slot accuracy acc_k) becomes key/slot1, key/slot2, ..."""
@@ -51,8 +53,7 @@ class MlflowTracker:
             mlflow.set_tracking_uri((run_dir / "mlruns").resolve().as_uri())
         mlflow.set_experiment(cfg.metrics.project)
         mlflow.start_run(run_name=run_dir.name)
-        params = flatten_config(cfg)
-        mlflow.log_params({key: value[:500] for key, value in params.items()})
+        mlflow.log_params({key: json.dumps(value)[:500] for key, value in flat_config(cfg).items()})
 
     def log(self, kind: str, step: int, scalars: dict[str, float]) -> None:
         self.mlflow.log_metrics({f"{kind}/{key}": value for key, value in scalars.items()}, step=step)
@@ -79,16 +80,6 @@ class WandbTracker:
 
 
 TRACKERS = {"tensorboard": TensorBoardTracker, "mlflow": MlflowTracker, "wandb": WandbTracker}
-
-
-def flatten_config(cfg: DictConfig) -> dict[str, str]:
-    def walk(node, prefix):
-        for key, value in node.items():
-            if isinstance(value, dict):
-                yield from walk(value, f"{prefix}{key}.")
-            else:
-                yield f"{prefix}{key}", json.dumps(value)
-    return dict(walk(OmegaConf.to_container(cfg, resolve=True), ""))
 
 
 class MetricsSink:

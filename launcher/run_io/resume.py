@@ -16,10 +16,9 @@ import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from dflash_core.data.records import file_fingerprint
 from dflash_core.target.families import text_config
+from launcher.config import flat_config
 from launcher.job import Job
 from launcher.run_io import checkpoint
 
@@ -56,16 +55,6 @@ class ResumePoint:
     finished: str | None = None    # why there is nothing to train (train.steps at or below the checkpoint's)
 
 
-def _flat(node, prefix: str = "") -> dict:
-    out = {}
-    for key, value in node.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def record(job: Job) -> dict:
     """What meta.json records about the config a checkpoint was trained with."""
     sched = job.schedule
@@ -77,7 +66,7 @@ def record(job: Job) -> dict:
     return {"model": model, "stream": stream, "data_files": data_fingerprints(job.data_sources()),
             "split": {"drafter ranks": sched.num_drafters,
                                                         "train.grad_accum": sched.grad_accum},
-            "config": _flat(OmegaConf.to_container(job.cfg, resolve=True))}
+            "config": flat_config(job.cfg)}
 
 
 def data_fingerprints(sources: list[Path]) -> dict[str, str]:

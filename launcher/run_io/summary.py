@@ -28,14 +28,6 @@ class TargetStats:
     data: dict            # the data's statistics (conversations, drops by reason, ...)
     tokens_per_s: float
 
-    @property
-    def busy_s(self) -> float:
-        return self.forward_s
-
-    @property
-    def waiting_s(self) -> float:
-        return self.send_wait_s
-
 
 @dataclass(frozen=True)
 class DrafterStats:
@@ -56,14 +48,6 @@ class DrafterStats:
     compile_s: float | None        # seconds the warm-up (or the first step) compiled
     recompiles: int | None         # graphs compiled in the stream (static shapes: 0; None: no warm-up)
     compile_report: dict
-
-    @property
-    def busy_s(self) -> float:
-        return self.step_s
-
-    @property
-    def waiting_s(self) -> float:
-        return self.recv_wait_s
 
 
 @dataclass(frozen=True)
@@ -130,10 +114,13 @@ def _rank_table(per_rank: list[RankStats]) -> str:
     rows = [("rank", "role", "items", "busy s", "waiting s", "wall s", "compiles", "compile s")]
     for s in sorted(per_rank, key=lambda s: s.rank):
         work = s.work
-        compiles = work.compiles if isinstance(work, DrafterStats) else "-"
-        compile_s = work.compile_s if isinstance(work, DrafterStats) else None
-        rows.append((s.rank, s.role, work.items, f"{work.busy_s:.2f}", f"{work.waiting_s:.2f}", f"{work.wall_s:.2f}",
-                     compiles, _seconds(compile_s)))
+        # Busy: a drafter's steps on its device, a target's capturing; waiting: for micro-batches, for a send slot.
+        if isinstance(work, DrafterStats):
+            busy_s, waiting_s, compiles, compile_s = work.step_s, work.recv_wait_s, work.compiles, work.compile_s
+        else:
+            busy_s, waiting_s, compiles, compile_s = work.forward_s, work.send_wait_s, "-", None
+        rows.append((s.rank, s.role, work.items, f"{busy_s:.2f}", f"{waiting_s:.2f}", f"{work.wall_s:.2f}", compiles,
+                     _seconds(compile_s)))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(str(v).rjust(w) for v, w in zip(r, widths)) for r in rows)
 
