@@ -9,13 +9,11 @@ the kernel if this process dies first, so no engine is ever orphaned.
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -23,11 +21,12 @@ import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
+from launcher.parent_death import die_with_parent_preexec
+
 REPO = Path(__file__).resolve().parents[2]
 VENV = REPO / ".venv-vllm"
 SPEC_METRIC = "vllm:spec_decode_"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # `vllm serve`'s OpenAI-compatible server
-_PR_SET_PDEATHSIG = 1
 
 
 class ServerError(OSError):
@@ -49,14 +48,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: a new process group (stopped whole), and SIGKILL when the
-    parent dies, however it dies."""
-    os.setsid()
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _http(url: str, payload: dict | None = None, timeout: float = 600.0) -> str:
@@ -169,7 +160,8 @@ class VllmServer:
                "DO_NOT_TRACK": "1", **self.env}
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen([*self.command, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent)
+                                            stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                            preexec_fn=die_with_parent_preexec())
         self._deadline = time.monotonic() + self.startup_timeout_s
 
     def wait_ready(self) -> VllmClient:
