@@ -6,17 +6,15 @@ it alone), so hydra's own `@hydra.main` flags are provided here, in the same wor
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import functools
 import logging
 import os
-import signal
 import sys
 import time
 from datetime import timedelta
 
 from launcher.config import CONF_DIR, compose_config, config_yaml, schema
+from launcher.parent_death import die_with_parent
 
 log = logging.getLogger("dflash")
 PEER_REPORT_TIMEOUT_S = 15.0
@@ -83,33 +81,6 @@ def parse_flags(argv: list[str], config_name: str, usage: str) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------- failures
-@functools.cache
-def _libc():
-    try:
-        return ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:
-        return None   # not Linux: torchrun's own teardown is all there is
-
-
-def die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when its parent (the torchrun agent) dies, so a killed torchrun
-    leaves no orphan writing checkpoints or answering prompts."""
-    libc = _libc()
-    if libc is None:
-        return
-    parent = os.getppid()
-    libc.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-    if os.getppid() != parent:      # the parent died before prctl took effect
-        os._exit(1)
-
-
-def die_with_parent_preexec():
-    """A Popen preexec_fn making the child die with this process. libc is loaded here, in the parent,
-    so the forked child only calls into it."""
-    _libc()
-    return die_with_parent
-
-
 def _let_peers_report(timeout_s: float = PEER_REPORT_TIMEOUT_S) -> None:
     """Before any process group exists a config error hits every rank alike, but torchrun stops all
     workers as soon as one exits: wait (bounded) until every rank has reported its own failure,

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.serving.vllm_server import VENV, VllmClient, VllmServer
+from launcher.serving.openai_client import OpenAIClient
+from launcher.serving.vllm_server import VENV, VllmServer
 
 BLOCK_SIZE = 8
 # launcher.evaluate's defaults. The drafter is fitted to the answers of the first half only: on
@@ -149,5 +150,5 @@ def serve(target_dir: Path, export_dir: Path | None, log_path: Path, dtype: str 
 class Served:
     target: Path
     export: Path
-    speculative: VllmClient   # serving the target with the export as its DFlash drafter
-    plain: VllmClient         # the same target without speculation
+    speculative: OpenAIClient   # serving the target with the export as its DFlash drafter
+    plain: OpenAIClient         # the same target without speculation

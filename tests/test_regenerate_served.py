@@ -166,8 +166,9 @@ def test_a_failing_server_is_retried_then_counts_as_down(tmp_path, chats, tiny_t
     assert len(flaky.requests) == 2 + 2 and len(_records(output)) == 1   # 2 failed, then both turns answered
 
     failing = FakeChatServer(fail_first=10)
-    with pytest.raises(RegenerationIncomplete, match=r"1 of 1 prompts are left unanswered \(ids 'multi'\).*HTTP 503"):
+    with pytest.raises(RegenerationIncomplete, match=r"1 of 1 prompts are left unanswered \(ids 'multi'\)") as down:
         _run(tiny_target_dir, chats, tmp_path / "again.jsonl", failing.url, concurrency=1, limit=1, max_retries=1)
+    assert f"POST {failing.url}/v1/chat/completions: 2 attempts failed, the last with: HTTP 503" in str(down.value)
     assert len(failing.requests) == 2
 
 

@@ -7,6 +7,7 @@ session (conftest.served_qwen3); `xdist_group` keeps its tests on one worker und
 `--dist loadgroup`, so the pair is started once."""
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -70,6 +71,23 @@ def test_a_server_that_exits_early_reports_its_log_tail(tmp_path):
     fake = _fake_vllm(tmp_path, 'echo "ValueError: DFlash does not support this model"; exit 3')
     with pytest.raises(ServerError, match=r"(?s)exited with code 3.*DFlash does not support this model"):
         VllmServer(tmp_path, python=fake, log_path=tmp_path / "log").start()
+
+
+_SERVER_PROCESS_PROBE = """
+import ctypes, os
+death_signal = ctypes.c_int()
+ctypes.CDLL("libc.so.6").prctl(2, ctypes.byref(death_signal))   # PR_GET_PDEATHSIG
+print(f"parent death signal {death_signal.value}, session leader {os.getsid(0) == os.getpid()}")
+raise SystemExit(3)
+"""
+
+
+def test_the_server_leads_its_own_process_group_and_dies_with_this_process(tmp_path):
+    probe = tmp_path / "python"
+    probe.write_text(f"#!{sys.executable}\n{_SERVER_PROCESS_PROBE}")
+    probe.chmod(0o755)
+    with pytest.raises(ServerError, match=f"parent death signal {int(signal.SIGKILL)}, session leader True"):
+        VllmServer(tmp_path, python=str(probe), log_path=tmp_path / "log").start()
 
 
 def test_a_server_that_never_gets_ready_is_stopped_whole(tmp_path):

@@ -21,7 +21,7 @@ from launcher.bench.ceiling import rate_fields, sync
 from launcher.bench.counts import documents_of, drafter_step_flops, target_forward_flops
 from launcher.bench.profiling import profile_steps
 from launcher.bench.report import fmt
-from launcher.cli import die_with_parent_preexec
+from launcher.parent_death import die_with_parent_preexec
 
 REPO = Path(__file__).resolve().parents[2]
 _T0 = time.perf_counter()

@@ -44,7 +44,7 @@ from launcher.regeneration.parts import (
     prepare_parts,
     template_kwargs,
 )
-from launcher.serving.chat_client import ChatClient, RequestRefused, ServerDown
+from launcher.serving.openai_client import OpenAIClient, RequestRefused, ServerDown
 
 log = logging.getLogger("dflash")
 _LISTED = 10   # unanswered prompts named in the error
@@ -110,7 +110,7 @@ class Requests:
             payload["chat_template_kwargs"] = template_kwargs(self.cfg)
         return payload
 
-    def converse(self, client: ChatClient, prompt: Prompt) -> tuple[list[dict] | None, int, int]:
+    def converse(self, client: OpenAIClient, prompt: Prompt) -> tuple[list[dict] | None, int, int]:
         """(the conversation with every assistant turn regenerated, or None when one came back empty;
         tokens generated; turns cut at max_new_tokens)."""
         history, tokens, unfinished, stops = [], 0, 0, set(self.stop_ids)
@@ -142,7 +142,7 @@ class Outcome:
     crashed: list = field(default_factory=list)   # an unexpected exception of a worker thread
 
 
-def answer_all(clients: list[ChatClient], prompts: list[Prompt], requests: Requests, writer: PartWriter,
+def answer_all(clients: list[OpenAIClient], prompts: list[Prompt], requests: Requests, writer: PartWriter,
                concurrency: int) -> Outcome:
     """Every prompt answered by one of the clients, each record on disk as soon as it is complete."""
     from tqdm import tqdm
@@ -154,7 +154,7 @@ def answer_all(clients: list[ChatClient], prompts: list[Prompt], requests: Reque
     bar = tqdm(total=len(prompts), unit=" prompts", desc="regenerating", file=sys.stderr, mininterval=1.0,
                dynamic_ncols=True)
 
-    def work(client: ChatClient) -> None:
+    def work(client: OpenAIClient) -> None:
         while client.url not in outcome.down and not outcome.crashed:
             try:
                 prompt = pending.get_nowait()
@@ -264,9 +264,9 @@ def started_servers(cfg: DictConfig, target: Path):
             server.stop()
 
 
-def connected(urls: list[str], cfg: DictConfig) -> list[ChatClient]:
+def connected(urls: list[str], cfg: DictConfig) -> list[OpenAIClient]:
     r = cfg.regenerate
-    clients = [ChatClient(url, max_retries=r.max_retries, backoff_s=r.retry_backoff_s, timeout_s=r.request_timeout_s)
+    clients = [OpenAIClient(url, max_retries=r.max_retries, backoff_s=r.retry_backoff_s, timeout_s=r.request_timeout_s)
                for url in urls]
     for client in clients:
         try:

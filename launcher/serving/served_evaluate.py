@@ -18,7 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.config import ConfigError
 from launcher.serving.acceptance import prompt_row, summarize
-from launcher.serving.vllm_server import VllmClient, VllmServer
+from launcher.serving.openai_client import OpenAIClient
+from launcher.serving.vllm_server import VllmServer, parse_spec_counters
 
 log = logging.getLogger("dflash")
 
@@ -39,8 +40,10 @@ def speculative_config(drafter: str, block_size: int) -> dict:
 
 @contextlib.contextmanager
 def _client(endpoint, target: Path, speculative: dict | None, ev, dtype: str, max_model_len: int):
+    """A client of the server at `endpoint`, else of one started here for the block. It never retries:
+    a completion sent again would count its drafts twice in the counters' difference."""
     if endpoint:
-        client = VllmClient(endpoint)
+        client = OpenAIClient(endpoint, max_retries=0)
         if not client.healthy():
             key = "evaluate.endpoint" if speculative else "evaluate.plain_endpoint"
             raise ConfigError(f"{key}={endpoint!r}: no vLLM server answers /health there")
@@ -50,14 +53,14 @@ def _client(endpoint, target: Path, speculative: dict | None, ev, dtype: str, ma
     with VllmServer(target.resolve(), speculative=speculative, dtype=dtype, max_model_len=max_model_len,
                     memory_fraction=ev.vllm_memory_fraction, extra_args=tuple(ev.vllm_args),
                     python=ev.vllm_python,
-                    startup_timeout_s=ev.vllm_startup_timeout_s) as client:
-        yield client
+                    startup_timeout_s=ev.vllm_startup_timeout_s) as started:
+        yield OpenAIClient(started.url, max_retries=0)
 
 
-def decode_speculative(client: VllmClient, prompts, *, max_tokens: int, stop: list[int]):
+def decode_speculative(client: OpenAIClient, prompts, *, max_tokens: int, stop: list[int]):
     """-> [(tokens, drafts, per_position)] per prompt, and the seconds spent decoding."""
     results, seconds = [], 0.0
-    before = client.spec_counters()
+    before = parse_spec_counters(client.metrics())
     if not before["speculating"]:
         raise ConfigError(f"the server at {client.url} exposes no vllm:spec_decode_* counters: it does not "
                           f"speculate (start it with --speculative-config, or leave evaluate.endpoint unset)")
@@ -65,7 +68,7 @@ def decode_speculative(client: VllmClient, prompts, *, max_tokens: int, stop: li
         started = time.perf_counter()
         tokens = client.complete_ids(ids, max_tokens=max_tokens, stop_token_ids=stop)
         seconds += time.perf_counter() - started
-        after = client.spec_counters()
+        after = parse_spec_counters(client.metrics())
         per_position = [int(after["per_position"].get(j, 0) - before["per_position"].get(j, 0))
                         for j in range(len(after["per_position"]))]
         results.append((tokens, int(after["num_drafts"] - before["num_drafts"]), per_position))
@@ -73,7 +76,7 @@ def decode_speculative(client: VllmClient, prompts, *, max_tokens: int, stop: li
     return results, seconds
 
 
-def decode_plain(client: VllmClient, prompts, *, max_tokens: int, stop: list[int]):
+def decode_plain(client: OpenAIClient, prompts, *, max_tokens: int, stop: list[int]):
     started = time.perf_counter()
     outputs = [client.complete_ids(ids, max_tokens=max_tokens, stop_token_ids=stop) for ids in prompts]
     return outputs, time.perf_counter() - started

@@ -1,37 +1,32 @@
-"""`vllm serve` as a subprocess, and the HTTP client the project talks to it with.
+"""`vllm serve` as a subprocess, and its speculative-decoding counters.
 
 The project never imports vLLM: it pins its own torch and transformers, so it lives in its own
 environment (`make vllm-env` builds `.venv-vllm`) and is reached over its OpenAI-compatible API
-and its Prometheus `/metrics`. `VllmServer` starts one server on a free loopback port, waits for
-`/health` (a timeout or an early exit raises with the tail of the server's log), and stops it on
-exit: the server runs in its own process group, which is killed whole, and it gets SIGKILL from
-the kernel if this process dies first, so no engine is ever orphaned.
+and its Prometheus `/metrics` (launcher.serving.openai_client). `VllmServer` starts one server on a
+free loopback port, waits for `/health` (a timeout or an early exit raises with the tail of the
+server's log), and stops it on exit: the server runs in its own process group, which is killed
+whole, and it gets SIGKILL from the kernel if this process dies first, so no engine is ever
+orphaned.
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections import defaultdict
 from pathlib import Path
+
+from launcher.parent_death import die_with_parent_preexec
+from launcher.serving.openai_client import OpenAIClient, ServerError
 
 REPO = Path(__file__).resolve().parents[2]
 VENV = REPO / ".venv-vllm"
 SPEC_METRIC = "vllm:spec_decode_"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # `vllm serve`'s OpenAI-compatible server
-_PR_SET_PDEATHSIG = 1
-
-
-class ServerError(OSError):
-    """vLLM could not be started, died, or answered with an error; the message says which and why."""
 
 
 def vllm_python(setting: str = "auto") -> Path:
@@ -49,26 +44,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: a new process group (stopped whole), and SIGKILL when the
-    parent dies, however it dies."""
-    os.setsid()
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def _http(url: str, payload: dict | None = None, timeout: float = 600.0) -> str:
-    data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.read().decode()
-    except urllib.error.HTTPError as err:
-        raise ServerError(f"{url}: HTTP {err.code}: {err.read().decode(errors='replace')[:2000]}") from None
-    except (urllib.error.URLError, OSError) as err:
-        raise ServerError(f"{url}: {err}") from None
 
 
 def parse_spec_counters(text: str) -> dict:
@@ -92,41 +67,6 @@ def parse_spec_counters(text: str) -> dict:
     counters["per_position"] = dict(sorted(per_position.items()))
     counters["speculating"] = f"\n{SPEC_METRIC}" in f"\n{text}"
     return counters
-
-
-class VllmClient:
-    """Requests to one running server (started here or by the user) at `url`."""
-
-    def __init__(self, url: str):
-        self.url = url.rstrip("/")
-        self._model = None
-
-    def healthy(self) -> bool:
-        try:
-            _http(f"{self.url}/health", timeout=5)
-            return True
-        except ServerError:
-            return False
-
-    @property
-    def model(self) -> str:
-        if self._model is None:
-            self._model = json.loads(_http(f"{self.url}/v1/models", timeout=30))["data"][0]["id"]
-        return self._model
-
-    def spec_counters(self) -> dict:
-        return parse_spec_counters(_http(f"{self.url}/metrics", timeout=30))
-
-    def complete_ids(self, prompt_ids: list[int], *, max_tokens: int, stop_token_ids: list[int]) -> list[int]:
-        """Greedy completion of token ids -> the generated ids (the stop token included, as HF's
-        decoding keeps its eos)."""
-        payload = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": 0.0,
-                   "stop_token_ids": list(stop_token_ids), "include_stop_str_in_output": True,
-                   "skip_special_tokens": False, "return_token_ids": True}
-        choice = json.loads(_http(f"{self.url}/v1/completions", payload))["choices"][0]
-        if choice.get("token_ids") is None:
-            raise ServerError(f"{self.url} returned no token_ids: a vLLM without `return_token_ids` (use >= 0.10.2)")
-        return list(choice["token_ids"])
 
 
 class VllmServer:
@@ -169,13 +109,14 @@ class VllmServer:
                "DO_NOT_TRACK": "1", **self.env}
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen([*self.command, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent)
+                                            stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                            preexec_fn=die_with_parent_preexec())
         self._deadline = time.monotonic() + self.startup_timeout_s
 
-    def wait_ready(self) -> VllmClient:
+    def wait_ready(self) -> OpenAIClient:
         """Wait for /health; an exit or the start-up timeout stops the server and raises with
         the tail of its log."""
-        client = VllmClient(self.url)
+        client = OpenAIClient(self.url)
         while not client.healthy():
             if self.process.poll() is not None:
                 code = self.process.returncode
@@ -189,7 +130,7 @@ class VllmServer:
             time.sleep(1.0)
         return client
 
-    def start(self) -> VllmClient:
+    def start(self) -> OpenAIClient:
         self.launch()
         return self.wait_ready()
 
@@ -207,7 +148,7 @@ class VllmServer:
         except ProcessLookupError:
             pass
 
-    def __enter__(self) -> VllmClient:
+    def __enter__(self) -> OpenAIClient:
         return self.start()
 
     def __exit__(self, exc_type, *exc) -> None:

@@ -1,0 +1,110 @@
+"""The client of one OpenAI-compatible server (vLLM, SGLang): chat and token-id completions, the
+served model's name, and the `/health` and Prometheus `/metrics` pages those servers serve besides.
+
+Every request takes one path with one retry policy. A request the server failed (no answer:
+refused, reset, timed out or torn; HTTP 5xx; 429) is retried after waits that double from
+`backoff_s`; after `max_retries` retries the server counts as down (ServerDown). A request it
+refused for what it asked (another HTTP 4xx: a prompt over the context, a bad parameter) is not
+retried (RequestRefused): another server would refuse it too. Errors name the method, the URL, the
+HTTP code with the server's own words, and the attempts.
+
+The standard library's urllib carries the requests: the `openai` package waits between retries on
+its own schedule (not `backoff_s`), retries 408 and 409 too and knows no /health or /metrics, and
+httpx retries only failed connects, so either would still need this retry loop.
+"""
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+
+class ServerError(OSError):
+    """A server could not be started, stopped answering, or answered with an error; the message
+    says which and why."""
+
+
+class ServerDown(ServerError):
+    """The server failed a request max_retries + 1 times in a row."""
+
+
+class RequestRefused(ServerError):
+    """The server answered a request with an HTTP 4xx other than 429."""
+
+
+class OpenAIClient:
+    """Requests to the server at `url`. `timeout_s` bounds one request's answer (a long generation's)."""
+
+    def __init__(self, url: str, *, max_retries: int = 5, backoff_s: float = 1.0, timeout_s: float = 600.0):
+        self.url = url.rstrip("/")
+        self.max_retries, self.backoff_s, self.timeout_s = max_retries, backoff_s, timeout_s
+        self._model: str | None = None
+
+    def _request(self, path: str, payload: dict | None = None, *, read=json.loads, timeout_s: float | None = None,
+                retries: int | None = None):
+        """`read` of the body of GET `path` (POST of `payload` as JSON), retried as the module says;
+        `retries` (default max_retries) and `timeout_s` (default the client's) for this request."""
+        method, url = ("GET" if payload is None else "POST"), f"{self.url}{path}"
+        data = None if payload is None else json.dumps(payload).encode()
+        retries = self.max_retries if retries is None else retries
+        for attempt in range(retries + 1):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as response:
+                    return read(response.read().decode())
+            except urllib.error.HTTPError as err:
+                last = f"HTTP {err.code}: {err.read().decode(errors='replace')[:1000]}"
+                if 400 <= err.code < 500 and err.code != 429:
+                    raise RequestRefused(f"{method} {url}: {last}") from None
+            except (urllib.error.URLError, OSError, ValueError) as err:   # refused, reset, timed out, torn
+                last = str(getattr(err, "reason", err))
+        attempts = f"{retries + 1} attempts failed, the last with: " if retries else ""
+        raise ServerDown(f"{method} {url}: {attempts}{last}")
+
+    def healthy(self) -> bool:
+        """Whether the server answers GET /health now (once, no retries)."""
+        try:
+            self._request("/health", read=str, timeout_s=5.0, retries=0)
+            return True
+        except ServerError:
+            return False
+
+    def connect(self, timeout_s: float = 30.0) -> str:
+        """The served model's name (GET /v1/models, once, no retries); ServerDown saying why when
+        no model answers there."""
+        try:
+            answer = self._request("/v1/models", timeout_s=timeout_s, retries=0)
+        except RequestRefused as err:   # no OpenAI-compatible server there
+            raise ServerDown(str(err)) from None
+        try:
+            self._model = answer["data"][0]["id"]
+        except (LookupError, TypeError):
+            raise ServerDown(f"GET {self.url}/v1/models: the server serves no model (it answered "
+                             f"{json.dumps(answer)[:200]})") from None
+        return self._model
+
+    @property
+    def model(self) -> str:
+        return self._model or self.connect()
+
+    def chat(self, payload: dict) -> dict:
+        """The response of POST /v1/chat/completions (`model` filled in)."""
+        return self._request("/v1/chat/completions", {"model": self.model, **payload})
+
+    def complete_ids(self, prompt_ids: list[int], *, max_tokens: int, stop_token_ids: list[int]) -> list[int]:
+        """Greedy completion of token ids (POST /v1/completions) -> the generated ids (the stop
+        token included, as HF's decoding keeps its eos)."""
+        payload = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": 0.0,
+                   "stop_token_ids": list(stop_token_ids), "include_stop_str_in_output": True,
+                   "skip_special_tokens": False, "return_token_ids": True}
+        choice = self._request("/v1/completions", payload)["choices"][0]
+        if choice.get("token_ids") is None:
+            raise ServerError(f"{self.url} returned no token_ids: a vLLM without `return_token_ids` (use >= 0.10.2)")
+        return list(choice["token_ids"])
+
+    def metrics(self) -> str:
+        """The server's Prometheus page (GET /metrics)."""
+        return self._request("/metrics", read=str, timeout_s=30.0)
