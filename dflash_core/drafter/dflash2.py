@@ -28,6 +28,12 @@ from .model import DFlashDrafter, DrafterConfig, DrafterLayer
 from .selector import CandidateSelector, unary_candidates
 
 
+ARCHITECTURE = "DFlash2DraftModel"  # config.json's architectures entry vLLM and SGLang dispatch on
+# The DFlash2Config fields an export's dflash_config carries, under these names.
+DFLASH_CONFIG_KEYS = ("conv_group_size", "conv_kernel_size", "selector_rank", "selector_top_k", "output_multiplier",
+                      "final_logit_softcapping")
+
+
 @dataclass
 class DFlash2Config(DrafterConfig):
     # Defaults: the published checkpoint configuration (z-lab/dflash tests/fixtures/dflash2-config.json),
@@ -141,6 +147,15 @@ class DFlash2Drafter(DFlashDrafter):
         ids, unary = unary_candidates(head.logits(drafted.to(head.lm_head_weight.dtype)), cfg.selector_top_k,
                                       cfg.output_multiplier, cfg.final_logit_softcapping)
         return ids, self.candidate_selector.pair_scores(ids, unary, drafted, anchor_ids)
+
+
+def parameter_names(cfg):
+    """The tensor names DFlash 2 adds to a DFlash drafter's."""
+    per_layer = [f"{conv}.{name}" for conv in ("attention_conv", "mlp_conv")
+                 for name in ("base_kernel", "kernel_projection.weight")]
+    selector = [f"candidate_selector.{name}"
+                for name in ("predecessor_codebook", "successor_codebook", "hidden_projection.weight")]
+    return [f"layers.{i}.{name}" for i in range(cfg.num_hidden_layers) for name in per_layer] + selector
 
 
 def build_drafter(cfg, *, seed=None):
