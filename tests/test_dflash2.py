@@ -139,3 +139,28 @@ def test_the_greedy_walk_follows_its_own_picks():
 def test_build_drafter_follows_the_config_kind():
     assert type(build_drafter(dflash2_config())) is DFlash2Drafter
     assert type(build_drafter(drafter_config())) is DFlashDrafter
+
+
+def test_training_a_dflash2_is_refused_at_start_naming_what_is_missing():
+    from launcher.config import ConfigError, compose_config
+    from launcher.resolve import check_combinations
+    with pytest.raises(ConfigError, match=r"^drafter.kind=dflash2: training a DFlash 2 drafter is not built yet .*"
+                                          r"train with drafter.kind=dflash"):
+        check_combinations(compose_config(["drafter=tiny", "drafter.kind=dflash2"]))
+
+
+def test_the_dflash2_settings_reach_the_drafter_config():
+    from transformers import Qwen3Config
+
+    from launcher.config import compose_config
+    from launcher.resolve import drafter_config
+    target = Qwen3Config(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         intermediate_size=48, vocab_size=50, max_position_embeddings=4096)
+    common = ["drafter=tiny", "drafter.mask_token_id=49"]
+    cfg = compose_config([*common, "drafter.kind=dflash2", "drafter.conv_group_size=8", "drafter.selector_top_k=4",
+                          "drafter.final_logit_softcapping=20"])
+    dcfg = drafter_config(cfg, target)
+    assert isinstance(dcfg, DFlash2Config) and dcfg.block_size == 8 and dcfg.backbone() == drafter_config(
+        compose_config(common), target)
+    assert (dcfg.conv_group_size, dcfg.conv_kernel_size, dcfg.selector_rank, dcfg.selector_top_k,
+            dcfg.output_multiplier, dcfg.final_logit_softcapping) == (8, 2, 256, 4, 1.0, 20.0)
