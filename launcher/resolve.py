@@ -7,6 +7,7 @@ whether the drafter compiles and for which static shape it warms up.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from functools import partial
 from pathlib import Path
@@ -15,6 +16,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from dflash_core.drafter.attention import FLEX_BACKENDS, resolve_backend
+from dflash_core.drafter.dflash2 import DFLASH_CONFIG_KEYS as DFLASH2_KEYS
+from dflash_core.drafter.dflash2 import DFlash2Config
 from dflash_core.drafter.model import DrafterConfig
 from dflash_core.loss.objective import default_gamma
 from dflash_core.loss.settings import StepSettings
@@ -110,8 +113,11 @@ def drafter_config(cfg: DictConfig, hf_config) -> DrafterConfig:
     ids = list(cfg.drafter.target_layer_ids) if cfg.drafter.target_layer_ids is not None else None
     overrides = {key: (list(value) if key == "layer_types" else value)
                  for key in _SHAPE_OVERRIDES if (value := cfg.drafter.get(key)) is not None}
-    return drafter_config_for_target(hf_config, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
+    dcfg = drafter_config_for_target(hf_config, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
                                      mask_token_id=int(mask_token_id), target_layer_ids=ids, **overrides)
+    if cfg.drafter.kind == "dflash2":
+        return DFlash2Config(**dataclasses.asdict(dcfg), **{key: cfg.drafter[key] for key in DFLASH2_KEYS})
+    return dcfg
 
 
 def warm_start(cfg: DictConfig, dcfg: DrafterConfig) -> WarmStart | None:
@@ -197,6 +203,10 @@ def schedule(cfg: DictConfig, topology: Topology) -> Schedule:
 
 def check_combinations(cfg: DictConfig) -> None:
     """Settings that are valid alone but not together; checked before any process group forms."""
+    if cfg.drafter.kind == "dflash2":
+        raise ConfigError("drafter.kind=dflash2: training a DFlash 2 drafter is not built yet (its selector loss, "
+                          "metrics and warm start are to come, issue 43); its model and export are "
+                          "(dflash_core/drafter/dflash2.py); train with drafter.kind=dflash (the default)")
     if cfg.target.parallel == "replicate" and cfg.target.tp_size != 1:
         raise ConfigError(f"target.tp_size={cfg.target.tp_size}: must be 1 with target.parallel=replicate "
                           f"(set target.parallel=tensor to shard the target)")

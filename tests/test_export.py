@@ -6,6 +6,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
+from dflash_core.drafter.dflash2 import DFlash2Config, DFlash2Drafter
 from dflash_core.drafter.model import DFlashDrafter
 from dflash_core.serving import export as export_module
 from dflash_core.serving.export import ExportExistsError, export_drafter, load_exported
@@ -68,6 +69,52 @@ def test_config_carries_the_serving_fields(tmp_path):
     hf = AutoConfig.from_pretrained(tmp_path / "out")  # what the serving stacks parse
     assert hf.sliding_window == 6 and hf.layer_types == ["full_attention", "sliding_attention"]
     assert hf.rope_parameters["rope_theta"] == config["rope_theta"]
+
+
+def dflash2_to_export():
+    """drafter_to_export()'s shape as a DFlash 2, every new part moved off its identity start."""
+    drafter = DFlash2Drafter(DFlash2Config(**dataclasses.asdict(drafter_to_export().config), conv_group_size=8,
+                                           conv_kernel_size=2, selector_rank=6, selector_top_k=5,
+                                           output_multiplier=0.5, final_logit_softcapping=20.0), seed=0)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "conv" in name or "candidate_selector" in name:
+                p.normal_(0.0, 0.3)
+    return drafter
+
+
+def test_dflash2_round_trip_in_vllms_layout(tmp_path):
+    drafter = dflash2_to_export()
+    export_drafter(drafter, tmp_path / "out", dtype=torch.float32)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"]
+    assert config["auto_map"] == {"AutoModel": "dflash.DFlash2DraftModel"}
+    assert config["dflash_config"] == {"mask_token_id": 49, "target_layer_ids": [1, 3], "block_size": 4,
+                                       "conv_group_size": 8, "conv_kernel_size": 2, "selector_rank": 6,
+                                       "selector_top_k": 5, "output_multiplier": 0.5,
+                                       "final_logit_softcapping": 20.0}
+    tensors = load_file(tmp_path / "out" / "model.safetensors")
+    dflash_keys = set(export_module.expected_keys(drafter_to_export().config))
+    assert set(tensors) - dflash_keys == {
+        *(f"layers.{i}.{conv}.{name}" for i in range(2) for conv in ("attention_conv", "mlp_conv")
+          for name in ("base_kernel", "kernel_projection.weight")),
+        "candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+        "candidate_selector.hidden_projection.weight"}
+    assert tensors["layers.0.attention_conv.base_kernel"].shape == (2, 2, 32)
+    assert tensors["layers.1.mlp_conv.kernel_projection.weight"].shape == (2 * 2 * 4, 32)
+    assert tensors["candidate_selector.successor_codebook"].shape == (50, 6)
+    assert tensors["candidate_selector.hidden_projection.weight"].shape == (6, 32)
+    loaded = load_exported(tmp_path / "out")
+    assert type(loaded) is DFlash2Drafter and loaded.config == drafter.config
+    assert torch.equal(drafter_output(loaded), drafter_output(drafter))
+
+
+def test_an_uncapped_dflash2_export_leaves_the_cap_out(tmp_path):
+    drafter = dflash2_to_export()
+    drafter.config.final_logit_softcapping = None
+    export_drafter(drafter, tmp_path / "out")
+    assert "final_logit_softcapping" not in json.loads((tmp_path / "out" / "config.json").read_text())["dflash_config"]
+    assert load_exported(tmp_path / "out").config.final_logit_softcapping is None
 
 
 def rewrite_weights(path, edit):

@@ -13,12 +13,16 @@ from dataclasses import fields
 from transformers import PreTrainedModel, Qwen3Config
 
 from .attention import resolve_backend
-from .model import DFlashDrafter, DrafterConfig
+from .dflash2 import ARCHITECTURE as DFLASH2_ARCHITECTURE
+from .dflash2 import DFLASH_CONFIG_KEYS as DFLASH2_KEYS
+from .dflash2 import DFlash2Config, build_drafter
+from .model import DrafterConfig
 
 
 def drafter_config_from_dict(data):
-    """The DrafterConfig an export's config.json describes: the raw JSON, or the to_dict() of
-    the Qwen3Config transformers parses it into (which keeps rope_theta in rope_parameters)."""
+    """The DrafterConfig (a DFlash2Config for a DFlash 2 architecture) an export's config.json
+    describes: the raw JSON, or the to_dict() of the Qwen3Config transformers parses it into (which
+    keeps rope_theta in rope_parameters)."""
     values = {f.name: data[f.name] for f in fields(DrafterConfig) if data.get(f.name) is not None}
     rope_theta = (data.get("rope_parameters") or {}).get("rope_theta", data.get("rope_theta"))
     if rope_theta is not None:
@@ -27,6 +31,8 @@ def drafter_config_from_dict(data):
     # z-lab's and SpecForge's configs keep block_size at the top level only.
     values.update(mask_token_id=dflash["mask_token_id"], target_layer_ids=dflash["target_layer_ids"],
                   block_size=dflash.get("block_size", data.get("block_size")))
+    if DFLASH2_ARCHITECTURE in (data.get("architectures") or ()):
+        return DFlash2Config(**values, **{key: dflash[key] for key in DFLASH2_KEYS if key in dflash})
     return DrafterConfig(**values)
 
 
@@ -41,7 +47,7 @@ class DFlashDraftModel(PreTrainedModel):
 
     def __init__(self, config):
         super().__init__(config)
-        drafter = DFlashDrafter(drafter_config_from_dict(config.to_dict()))
+        drafter = build_drafter(drafter_config_from_dict(config.to_dict()))
         for name, child in drafter.named_children():
             self.add_module(name, child)
         # Kept outside nn.Module's registry (a registered copy would add "drafter." keys); it
@@ -56,3 +62,9 @@ class DFlashDraftModel(PreTrainedModel):
         -> final-normed block hidden states [B, N*Bs, H]; the target's LM head gives the logits."""
         return self.drafter(context_features, block_embeds, anchors, keep,
                             backend=resolve_backend(backend, anchors.device))
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """The same wrapper around a DFlash2Drafter (config.json's architectures name it)."""
+
+    _no_split_modules = ("DFlash2Layer",)

@@ -220,6 +220,8 @@ def _no_wait(*modules):
 
 
 class DFlashDrafter(nn.Module):
+    layer_class = DrafterLayer
+
     def __init__(self, cfg, *, seed=None):
         super().__init__()
         self.config = cfg
@@ -228,17 +230,24 @@ class DFlashDrafter(nn.Module):
         # sharded AdamW all-gathers them across its ranks) sets it to wait there, so the transfers
         # overlap the forward.
         self.weights_ready = _no_wait
-        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.build(cfg)
+        self.init_weights(seed)
+
+    def build(self, cfg):
+        """Create the submodules (their names are the serving layout); a drafter kind that adds
+        parts (dflash2.py) adds them here, so init_weights sees them."""
+        self.layers = nn.ModuleList(self.layer_class(cfg) for _ in range(cfg.num_hidden_layers))
         self.fc = nn.Linear(cfg.num_features * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.init_weights(seed)
 
     @torch.no_grad()
     def init_weights(self, seed=None, std=0.02):
         """Linear weights ~ N(0, std), biases 0, norms 1. `seed` makes it reproducible without
         touching the global RNG (call it while the weights are on the CPU)."""
-        generator = None if seed is None else torch.Generator().manual_seed(seed)
+        self.draw_weights(None if seed is None else torch.Generator().manual_seed(seed), std)
+
+    def draw_weights(self, generator, std):
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 module.weight.normal_(0.0, std, generator=generator)

@@ -4,10 +4,13 @@ What vLLM and SGLang read stays fixed: config.json with the Qwen3 fields, archit
 ["DFlashDraftModel"], model_type "qwen3", block_size, num_target_layers and dflash_config
 {mask_token_id, target_layer_ids (HF numbering), block_size}; model.safetensors with exactly the
 drafter's state_dict keys (no prefix, no embedding, no LM head). SGLang silently ignores unknown
-names, so both directions are checked strictly.
+names, so both directions are checked strictly. A DFlash 2 drafter (drafter/dflash2.py) is written as
+vLLM 0.32's qwen3_dflash2.py reads it: architectures ["DFlash2DraftModel"], dflash_config also
+holding its convolution and selector settings, and its convolutions' and selector's tensors
+(layers.{i}.{attention,mlp}_conv.*, candidate_selector.*) beside the DFlash ones.
 
-For transformers, config.json also maps AutoModel to dflash.DFlashDraftModel (the layout of the
-public z-lab checkpoints) and the code lies beside it: dflash.py (hf_model.py, a thin wrapper)
+For transformers, config.json also maps AutoModel to dflash.DFlashDraftModel (dflash.DFlash2DraftModel;
+the layout of the public z-lab checkpoints) and the code lies beside it: dflash.py (hf_model.py, a thin wrapper)
 and the drafter's own source (model.py and what it imports relatively), so
 `AutoModel.from_pretrained(dir, trust_remote_code=True)` is this project's drafter. README.md is
 the model card (model_card.py).
@@ -27,7 +30,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..drafter.model import DFlashDrafter, DrafterConfig
+from ..drafter import dflash2
+from ..drafter.dflash2 import DFlash2Config, build_drafter
+from ..drafter.model import DrafterConfig
 from ..files.readers import bad_file, check_safetensors, load_safetensors, read_json
 from .finite import check_finite
 from .model_card import CARD_NAME, write_model_card
@@ -35,8 +40,8 @@ from .model_card import CARD_NAME, write_model_card
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 MODELING_NAME = "dflash.py"
-ARCHITECTURES = ["DFlashDraftModel"]
-AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
+ARCHITECTURE = "DFlashDraftModel"
+KNOWN_ARCHITECTURES = (ARCHITECTURE, dflash2.ARCHITECTURE)
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
 
 
@@ -52,15 +57,31 @@ def expected_keys(cfg):
     per_layer += [f"mlp.{proj}_proj.weight" for proj in ("gate", "up", "down")]
     per_layer += ["input_layernorm.weight", "post_attention_layernorm.weight"]
     keys = [f"layers.{i}.{name}" for i in range(cfg.num_hidden_layers) for name in per_layer]
-    return keys + ["fc.weight", "hidden_norm.weight", "norm.weight"]
+    keys += ["fc.weight", "hidden_norm.weight", "norm.weight"]
+    return keys + dflash2.parameter_names(cfg) if isinstance(cfg, DFlash2Config) else keys
+
+
+def architecture(cfg):
+    """config.json's architectures entry (and the wrapper class in dflash.py) for this drafter."""
+    return dflash2.ARCHITECTURE if isinstance(cfg, DFlash2Config) else ARCHITECTURE
+
+
+def dflash_config(cfg):
+    """config.json's dflash_config: what the serving engines read besides the Qwen3 fields."""
+    keys = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids),
+            "block_size": cfg.block_size}
+    if isinstance(cfg, DFlash2Config):
+        # An absent cap is no cap for vLLM (it reads `or 0.0`); a null could be read as a number elsewhere.
+        keys.update((key, getattr(cfg, key)) for key in dflash2.DFLASH_CONFIG_KEYS if getattr(cfg, key) is not None)
+    return keys
 
 
 def config_to_json(cfg, dtype=torch.bfloat16):
     sliding = "sliding_attention" in cfg.layer_types
     return {
-        "architectures": ARCHITECTURES,
+        "architectures": [architecture(cfg)],
         "model_type": "qwen3",
-        "auto_map": AUTO_MAP,
+        "auto_map": {"AutoModel": f"dflash.{architecture(cfg)}"},
         "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.num_hidden_layers,
         "num_attention_heads": cfg.num_attention_heads,
@@ -83,11 +104,7 @@ def config_to_json(cfg, dtype=torch.bfloat16):
         "torch_dtype": _DTYPE_NAMES[dtype],
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
-        "dflash_config": {
-            "mask_token_id": cfg.mask_token_id,
-            "target_layer_ids": list(cfg.target_layer_ids),
-            "block_size": cfg.block_size,
-        },
+        "dflash_config": dflash_config(cfg),
     }
 
 
@@ -168,8 +185,8 @@ def _not_an_export(path):
         architectures = read_json(path / CONFIG_NAME).get("architectures")
     except (OSError, ValueError):
         return f"no readable {CONFIG_NAME}"
-    if architectures != ARCHITECTURES:
-        return f"its {CONFIG_NAME} describes {architectures}, not {ARCHITECTURES}"
+    if not isinstance(architectures, list) or len(architectures) != 1 or architectures[0] not in KNOWN_ARCHITECTURES:
+        return f"its {CONFIG_NAME} describes {architectures}, not one of {list(KNOWN_ARCHITECTURES)}"
     return ""
 
 
@@ -210,7 +227,7 @@ def load_exported(path, *, device=None, dtype=torch.float32):
     state = load_safetensors(path / WEIGHTS_NAME)
     _check_keys(set(state), set(expected_keys(cfg)), str(path / WEIGHTS_NAME))
     with torch.device("meta"):  # skip the random init: every tensor comes from the file
-        drafter = DFlashDrafter(cfg)
+        drafter = build_drafter(cfg)
     drafter.load_state_dict(state, assign=True)
     return drafter.to(device=device, dtype=dtype)
 

@@ -57,6 +57,9 @@ class TargetSettings:
 
 @dataclass
 class DrafterSettings:
+    kind: str = knob("dflash", "dflash | dflash2 (DFlash 2: dynamic convolutions within each block and a candidate "
+                               "selector over the unary top-K; exported for vLLM 0.32, not trainable yet)",
+                     choices=("dflash", "dflash2"))
     num_layers: int = knob(5, "drafter decoder layers", ge=1)
     block_size: int = knob(16, "tokens drafted per block (slot 0 holds the anchor token)", ge=2)
     num_anchors: int = knob(512, "blocks per row (padded with invalid blocks: one static shape)", ge=1)
@@ -92,6 +95,18 @@ class DrafterSettings:
     layer_types: Optional[list] = knob(None, "null: all full_attention; or full_attention | sliding_attention "
                                              "per layer")
     sliding_window: Optional[int] = knob(None, "window of sliding_attention layers", ge=1)
+    # DFlash 2's own settings (drafter.kind=dflash2). Defaults: the published checkpoint configuration
+    # (z-lab/dflash tests/fixtures/dflash2-config.json), but for the logit transform (see final_logit_softcapping).
+    conv_group_size: int = knob(16, "dflash2: channels sharing one dynamic convolution coefficient (divides the "
+                                    "hidden size)", ge=1)
+    conv_kernel_size: int = knob(2, "dflash2: convolution taps: a slot and the taps - 1 slots before it in its block",
+                                 ge=1)
+    selector_rank: int = knob(256, "dflash2: rank of the selector's codebooks and hidden projection", ge=1)
+    selector_top_k: int = knob(16, "dflash2: candidates per drafted slot (the unary top-K) the selector scores", ge=1)
+    output_multiplier: float = knob(1.0, "dflash2: factor on the unary logits (before the soft cap)", gt=0)
+    final_logit_softcapping: Optional[float] = knob(None, "dflash2: cap * tanh(logit / cap) on the unary logits; "
+                                                          "null: none, so a DFlash 2 on a DFlash drafter keeps its "
+                                                          "logits (the published checkpoints use 20.0)", gt=0)
     init_from: Optional[str] = knob(None, "warm start: a DFlash export directory (launcher.export's, or z-lab's: "
                                           "config.json + model.safetensors) whose weights the drafter starts from; "
                                           "its shape must equal this drafter's; the optimiser starts fresh. A "
