@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from launcher.cli import exit_failed
 from launcher.config import config_hash, config_yaml
 from launcher.context import Context
+from launcher.distributed import flight_recorder
 from launcher.distributed.heartbeat import Heartbeat, collective_timeout_s
 from launcher.distributed.isolation import check_own_gpu, isolate, own_gpu
 from launcher.distributed.topology import Topology, build_groups
@@ -109,8 +110,12 @@ def _heartbeat(cfg: DictConfig, topo: Topology, env: ProcessEnv) -> Heartbeat:
     stage); a peer that stops beating ends this process, naming it, wherever this rank waits."""
     roles = [topo.role(r) for r in range(env.world)]
     fault = OmegaConf.to_object(cfg.fault)
+
+    def on_stall(stalled: BaseException) -> None:
+        flight_recorder.dump_now(env.rank)
+        exit_failed(stalled)
     return Heartbeat.connect(env.rank, roles, cfg.run.timeout_s, cfg.run.startup_timeout_s,
-                             on_stage=partial(maybe_fail_at_stage, fault, env.rank), on_stall=exit_failed)
+                             on_stage=partial(maybe_fail_at_stage, fault, env.rank), on_stall=on_stall)
 
 
 def start_process(cfg: DictConfig, overrides: list[str], topo: Topology, env: ProcessEnv) -> Context:
@@ -126,11 +131,15 @@ def start_process(cfg: DictConfig, overrides: list[str], topo: Topology, env: Pr
         torch.cuda.set_device(device)
         check_own_gpu(gpu)
     timeout_s = collective_timeout_s(cfg.run.timeout_s)   # the heartbeat names a stopped peer first
+    if backend == "nccl":
+        flight_recorder.set_unless_given(flight_recorder.recording_env())
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
                             device_id=device if backend == "nccl" else None)
     groups = build_groups(topo, env.rank, timeout_s)
     progress = _heartbeat(cfg, topo, env)
     run_dir = _agree_on_run_dir(cfg, env, groups.control)
+    if backend == "nccl":
+        flight_recorder.dump_into(run_dir)
     lead = env.rank == topo.lead_drafter
     setup_logging(tag, logging.INFO if lead else logging.WARNING, run_dir / "logs" / f"{tag}.log")
     _check_same_config(cfg, groups.control)

@@ -324,7 +324,7 @@ def main() -> int:
     child = [str(VLLM_PYTHON), __file__, "--vllm-child", *sys.argv[1:]]
     subprocess.run(child, check=True, cwd=REPO)
     import torch
-    vllm = torch.load(Path(args.out, "vllm.pt"), weights_only=False)
+    vllm = torch.load(Path(args.out, "vllm.pt"), weights_only=True)   # lists, numbers and tensors: nothing to run
     sys.path.insert(0, str(REPO))
     from dflash_core.serving.speculative import vllm_cpu_context_keys
     with vllm_cpu_context_keys() if args.vllm_cpu_keys else contextlib.nullcontext():

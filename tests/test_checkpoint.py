@@ -7,6 +7,8 @@ import sys
 import pytest
 import torch
 
+from dflash_core.files.readers import UnsafeFileError
+from launcher.export import export_checkpoint
 from launcher.run_io import checkpoint
 from tests.launching import REPO
 
@@ -55,6 +57,34 @@ def test_corrupt_checkpoint_is_skipped_with_warning(tmp_path, caplog):
         _, step, _ = checkpoint.load_latest(tmp_path)
     assert step == 10
     assert "step_00000020" in caplog.text and "unreadable" in caplog.text
+
+
+class _Payload:
+    """What a planted state file carries: unpickling it runs a shell command that leaves `marker`."""
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_state_file_carrying_code_is_refused_named_and_never_run(tmp_path):
+    checkpoint.save(tmp_path, 10, _state(10), keep=3)
+    planted = checkpoint.save(tmp_path, 20, {"step": 20, "model": {"w": _Payload(tmp_path / "ran")}}, keep=3)
+    live = tmp_path / "live.pt"   # the same payload, opened the old way, does run: the test plants a live one
+    torch.save(_Payload(tmp_path / "ran-unsafely"), live)
+    torch.load(live, weights_only=False)
+    assert (tmp_path / "ran-unsafely").exists()
+
+    said = (rf"{planted / 'state.pt'}: refused: it holds code or objects a checkpoint must not hold \(its pickle "
+            rf"asks for (posix|os|nt)\.system\); it was not loaded and nothing in it ran")
+    with pytest.raises(UnsafeFileError, match=said):
+        checkpoint.load(planted)
+    with pytest.raises(UnsafeFileError, match=said):   # not passed over for the previous one: the user decides
+        checkpoint.load_latest(tmp_path)
+    with pytest.raises(UnsafeFileError, match=said):
+        export_checkpoint(planted, tmp_path / "export")
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "export").exists()
 
 
 def test_no_checkpoint(tmp_path):

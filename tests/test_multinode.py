@@ -27,7 +27,7 @@ def _agent(node_rank: int, port: int, overrides: list[str]) -> subprocess.Popen:
 
 
 def _weights(run_dir):
-    return torch.load(run_dir / "checkpoints" / "step_00000006" / "state.pt", weights_only=False)["model"]
+    return torch.load(run_dir / "checkpoints" / "step_00000006" / "state.pt", weights_only=True)["model"]
 
 
 def test_two_agents_match_one_agent(tmp_path, tiny_target_dir):

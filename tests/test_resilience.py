@@ -19,7 +19,7 @@ STEPS = 6
 
 
 def _final_weights(run_dir):
-    return torch.load(run_dir / "checkpoints" / f"step_{STEPS:08d}" / "state.pt", weights_only=False)["model"]
+    return torch.load(run_dir / "checkpoints" / f"step_{STEPS:08d}" / "state.pt", weights_only=True)["model"]
 
 
 def test_killed_then_relaunched_run_matches_straight_run_bitwise(tmp_path, tiny_target_dir):
@@ -83,7 +83,7 @@ def test_non_finite_steps_are_skipped_then_stop_every_drafter(tmp_path, tiny_tar
         assert (f"[drafter{rank}] ERROR failed: NonFiniteError: 2 consecutive non-finite steps, the last at step 5 "
                 f"on rank {rank} (run.max_bad_steps=2)") in proc.stderr
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_00000002", "step_00000004"]
-    weights = torch.load(run_dir / "checkpoints" / "step_00000004" / "state.pt", weights_only=False)["model"]
+    weights = torch.load(run_dir / "checkpoints" / "step_00000004" / "state.pt", weights_only=True)["model"]
     assert all(torch.isfinite(value).all() for value in weights.values())
 
 

@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from launcher.distributed import heartbeat
+from launcher.distributed import flight_recorder, heartbeat
 from launcher.distributed.heartbeat import Heartbeat, PeerStalled
 from launcher.run_io import lock
 from launcher.run_io.lock import RunDirBusy, RunLock
@@ -108,6 +108,32 @@ def test_a_stopped_rank_is_named_within_the_timeout(store):
     waited = time.monotonic() - started
     assert 1.0 < waited < 1.0 + 3 * heartbeat.beat_interval(1.0) + 2, waited   # slack for a loaded machine
     target.close()
+
+
+def test_a_stall_on_nccl_groups_names_where_each_ranks_flight_record_lands(store, tmp_path, monkeypatch):
+    for name, value in {**flight_recorder.recording_env(), **flight_recorder.dump_env(tmp_path)}.items():
+        monkeypatch.setenv(name, value)   # what an NCCL rank's start-up sets
+    target, drafter = _progress(store, 0), _progress(store, 1)
+    drafter.close()
+    with pytest.raises(PeerStalled, match=rf"it is stopped, hung or dead; each rank's last collectives \(NCCL flight "
+                                          rf"recorder\) are in {tmp_path / 'flight_recorder'}, rank_<rank>$"):
+        target.meet("stream")
+    target.close()
+
+
+def test_nccl_groups_record_and_dump_into_the_run_dir_unless_the_user_said_otherwise(tmp_path):
+    environ = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}   # the user's own, under the older name torch still reads
+    flight_recorder.set_unless_given(flight_recorder.recording_env(), environ)
+    flight_recorder.dump_into(tmp_path, environ)
+    assert environ == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "50", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                       "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+                       "TORCH_FR_DUMP_TEMP_FILE": f"{tmp_path / 'flight_recorder'}/rank_"}
+    assert (tmp_path / "flight_recorder").is_dir()
+    theirs = {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{tmp_path / 'mine'}/trace_", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    flight_recorder.dump_into(tmp_path, theirs)
+    assert theirs == {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{tmp_path / 'mine'}/trace_", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    assert (tmp_path / "mine").is_dir() and flight_recorder.dump_prefix(theirs) == f"{tmp_path / 'mine'}/trace_"
+    assert flight_recorder.dump_prefix({}) is None   # gloo groups (CPU): no record, nothing named
 
 
 def test_a_rank_alive_but_still_busy_is_waited_for_up_to_the_startup_timeout(store):

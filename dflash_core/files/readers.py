@@ -1,5 +1,8 @@
 """Every model, config and checkpoint file is read through here: a target's or an export's
-config.json and safetensors, a checkpoint's meta.json and state.pt. A file that is there but cannot
+config.json and safetensors, a checkpoint's meta.json and state.pt. None of them is opened in a way
+that runs code: a torch file is unpickled with `weights_only=True` (tensors and plain containers of
+numbers and strings only), so one that asks for anything else is an UnsafeFileError and nothing in it
+runs (a state file is untrusted input: checkpoints are copied between machines and teams). A file that is there but cannot
 be used (cut short by an interrupted copy or write, corrupt, or not what it should be) is a
 BadFileError naming the file, its size and what is wrong with it; the libraries' own errors
 (`SafetensorError: invalid header length`, `PytorchStreamReader failed`, a JSONDecodeError) name
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import pickle
 import re
 from pathlib import Path
 
@@ -20,6 +24,11 @@ from safetensors import SafetensorError, safe_open
 
 class BadFileError(ValueError):
     """A file that exists but cannot be used; the message names it and says what is wrong."""
+
+
+class UnsafeFileError(BadFileError):
+    """A torch file whose pickle asks for code or objects beyond tensors and plain values: refused
+    unopened, nothing in it run."""
 
 
 def _size(path: Path) -> str:
@@ -77,16 +86,28 @@ def check_safetensors(path) -> None:
 
 
 def load_torch(path, **kwargs):
-    """torch.load(path, **kwargs), the file named in any failure but a missing or unreadable one."""
+    """torch.load(path, weights_only=True, **kwargs): tensors and plain containers only, nothing in the file
+    run; the file named in any failure but a missing or unreadable one."""
     path = Path(path)
     try:
-        return torch.load(path, **kwargs)
+        return torch.load(path, weights_only=True, **kwargs)
     except (FileNotFoundError, PermissionError, IsADirectoryError):
         raise
-    except Exception as exc:  # noqa: BLE001 (torch.load raises RuntimeError, EOFError, OSError, pickle errors...)
+    except pickle.UnpicklingError as exc:   # torch's weights-only unpickler refused what the pickle asks for
+        raise UnsafeFileError(f"{path}: refused: it holds code or objects a checkpoint must not hold "
+                              f"({_refused(exc)}); it was not loaded and nothing in it ran ({_size(path)}; this "
+                              f"project's checkpoints hold only tensors and plain values, so something else wrote "
+                              f"or changed this file: use a checkpoint from a source you trust)") from None
+    except Exception as exc:  # noqa: BLE001 (torch.load raises RuntimeError, EOFError, OSError...)
         if path.stat().st_size == 0:
             raise bad_file(path, "an empty file, not a torch file") from None
         raise bad_file(path, f"not a readable torch file ({type(exc).__name__}: {_first_sentence(exc)})") from None
+
+
+def _refused(exc: pickle.UnpicklingError) -> str:
+    """What the pickle asked for, from torch's long message (which goes on about allow-listing it)."""
+    named = re.search(r"GLOBAL (\S+)", str(exc))
+    return f"its pickle asks for {named[1]}" if named else "its pickle asks for more than tensors and plain values"
 
 
 def _first_sentence(exc: BaseException) -> str:

@@ -31,10 +31,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 
 from launcher.config.schema import STARTUP_STAGES
+from launcher.distributed.flight_recorder import dump_prefix
 
 log = logging.getLogger("dflash")
 _POLL_MAX_S = 0.05
@@ -62,6 +64,13 @@ def collective_timeout_s(timeout_s: float) -> float:
     seen up to one interval late and reviewed once per interval) and 5 s for a busy host's
     scheduling, so a stopped peer is named by the watch before a collective waiting on it gives up."""
     return timeout_s + 3 * beat_interval(timeout_s) + 5.0
+
+
+def _traces() -> str:
+    """Where the ranks' NCCL flight records land, when their groups record (flight_recorder.py)."""
+    prefix = dump_prefix()
+    return (f"; each rank's last collectives (NCCL flight recorder) are in {Path(prefix).parent}, "
+            f"{Path(prefix).name}<rank>" if prefix else "")
 
 
 class StoreSilent(TimeoutError):
@@ -210,7 +219,7 @@ class Heartbeat:
             elif now - seen.since > self.timeout_s:
                 return PeerStalled(f"{self._who(rank)} stopped reporting: no heartbeat for {now - seen.since:.0f} s "
                                    f"(run.timeout_s={self.timeout_s:g}) while rank {self.rank} {self._doing()}; "
-                                   f"{self._last_stage(rank)}; it is stopped, hung or dead")
+                                   f"{self._last_stage(rank)}; it is stopped, hung or dead{_traces()}")
         return None
 
     def _store_host_stalled(self) -> PeerStalled:

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from dflash_core.files.durable import durable_file, fsync_path, temporary_sibling, write_atomic
-from dflash_core.files.readers import load_torch, read_json
+from dflash_core.files.readers import UnsafeFileError, load_torch, read_json
 
 log = logging.getLogger("dflash")
 _NAME = re.compile(r"^step_(\d{8})$")
@@ -189,7 +189,9 @@ def _prune(root: Path, lineage: str, keep: int, written: Path) -> None:
 
 # ----------------------------------------------------------------------------------- reading
 def load_latest(root: Path) -> tuple[Path, int, dict] | None:
-    """The checkpoint `latest` names, or when it is broken (warned) this lineage's newest one that loads."""
+    """The checkpoint `latest` names, or when it is broken (warned) this lineage's newest one that loads.
+    One holding code or objects a checkpoint must not is an UnsafeFileError, not passed over: no save of
+    this project writes such a file, so someone else did, and the user decides what to resume from."""
     root = Path(root)
     record = read_lineage(root)
     lineage = record["id"] if record else None
@@ -201,6 +203,8 @@ def load_latest(root: Path) -> tuple[Path, int, dict] | None:
     for path in candidates:
         try:
             return (path, *load(path))
+        except UnsafeFileError:
+            raise
         except Exception as exc:  # noqa: BLE001 (a torn or corrupt file, whatever torch.load raises: fall back)
             log.warning("checkpoint %s is unreadable (%s: %s); trying the previous one", path, type(exc).__name__, exc)
     return None
@@ -233,12 +237,13 @@ class CheckpointGoneError(FileNotFoundError):
 
 def load(path: Path) -> tuple[int, dict]:
     """(step, state) of the complete checkpoint `path`; one that disappears meanwhile (the running
-    job's pruning) is a CheckpointGoneError, an unreadable file a BadFileError naming it."""
+    job's pruning) is a CheckpointGoneError, an unreadable file a BadFileError naming it, one whose pickle
+    asks for more than tensors and plain values an UnsafeFileError (refused unopened)."""
     path = Path(path)
     try:
         meta = read_meta(path)
         # mmap: checking a large checkpoint does not read it all; a torn zip still fails here.
-        state = load_torch(path / "state.pt", map_location="cpu", weights_only=False, mmap=True)
+        state = load_torch(path / "state.pt", map_location="cpu", mmap=True)
     except FileNotFoundError as exc:
         if (path / "meta.json").is_file():
             raise  # state.pt alone is missing: not a removal in progress (that takes meta.json too)
