@@ -49,6 +49,19 @@ def test_crash_mid_write_leaves_previous_loadable(tmp_path):
     assert checkpoint.load_latest(tmp_path)[1] == 10
 
 
+def test_a_dead_writers_temporaries_are_removed_under_either_naming(tmp_path):
+    checkpoint.save(tmp_path, 10, _state(10), keep=3)
+    dead = os.getpid() + 1
+    # This version's names, and those of the version before (a run dir it wrote may still hold them).
+    left = [tmp_path / f".step_00000020.{dead}.tmp", tmp_path / f".tmp_step_00000020_{dead}"]
+    for directory in left:
+        directory.mkdir()
+    (tmp_path / f".latest_{dead}").write_text("step_00000020")
+    checkpoint.save(tmp_path, 20, _state(20), keep=3)
+    assert not any(path.exists() for path in [*left, tmp_path / f".latest_{dead}"])
+    assert checkpoint.load_latest(tmp_path)[1] == 20
+
+
 def test_corrupt_checkpoint_is_skipped_with_warning(tmp_path, caplog):
     checkpoint.save(tmp_path, 10, _state(10), keep=3)
     bad = checkpoint.save(tmp_path, 20, _state(20), keep=3)

@@ -31,8 +31,11 @@ from dflash_core.files.readers import UnsafeFileError, load_torch, read_json
 log = logging.getLogger("dflash")
 _NAME = re.compile(r"^step_(\d{8})$")
 # What a writer names a checkpoint, the pointer and the lineage record before the rename that publishes them
-# (durable.temporary_sibling): .step_XXXXXXXX.<pid>.tmp, .latest.<pid>.tmp, .lineage.json.<pid>.tmp.
-_TEMPORARY = re.compile(r"^\.(?:step_\d{8}|latest|lineage\.json)\.(\d+)\.tmp$")
+# (durable.temporary_sibling): .step_XXXXXXXX.<pid>.tmp, .latest.<pid>.tmp, .lineage.json.<pid>.tmp; and the
+# names writers used before (.tmp_step_XXXXXXXX_<pid>, .latest_<pid>, .lineage.json_<pid>), which a run dir
+# written by an older version may still hold.
+_TEMPORARY = re.compile(r"^\.(?:(?:step_\d{8}|latest|lineage\.json)\.(\d+)\.tmp"
+                        r"|(?:tmp_step_\d{8}|latest|lineage\.json)_(\d+))$")
 LINEAGE_FILE = "lineage.json"
 POINTER = "latest"
 
@@ -170,9 +173,10 @@ def _remove_stale_temporaries(root: Path) -> None:
     writer: a temporary of another pid is a dead writer's."""
     for entry in root.iterdir():
         match = _TEMPORARY.match(entry.name)
-        if match is None or int(match.group(1)) == os.getpid():
+        pid = None if match is None else int(match.group(1) or match.group(2))
+        if pid is None or pid == os.getpid():
             continue
-        log.warning("removing %s: a checkpoint writer (pid %s) died while writing it", entry, match.group(1))
+        log.warning("removing %s: a checkpoint writer (pid %d) died while writing it", entry, pid)
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)
         else:
