@@ -19,9 +19,9 @@ Example:
 
 
 def export_checkpoint(path: Path, out: Path, *, overwrite: bool = False, card: dict | None = None) -> Path:
-    step, state = checkpoint.load(path)
-    drafter = DFlashDrafter(DrafterConfig(**state["drafter_config"]))
-    drafter.load_state_dict(state["model"])
+    step, config, weights = checkpoint.load_weights(path)
+    drafter = DFlashDrafter(DrafterConfig(**config))
+    drafter.load_state_dict(weights)
     card = {**run_facts(path), "steps": step, "checkpoint": str(Path(path).resolve()), **(card or {})}
     return export_drafter(drafter, out, overwrite=overwrite, card=card)
 

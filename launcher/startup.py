@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -82,9 +82,10 @@ def _check_same_config(cfg: DictConfig, control) -> None:
 
 
 def _resume_point(job: Job, env: ProcessEnv, lead: int, run_dir: Path, control,
-                  progress: Heartbeat) -> tuple[int, Path | None]:
+                  progress: Heartbeat) -> tuple[Job, int, Path | None]:
     """The lead drafter picks the checkpoint to resume from (launcher/run_io/resume.py); every rank starts
-    its stream at its step, or, when the checkpoint already reached train.steps, every rank exits 0."""
+    its stream at its step and at the first micro-batch the checkpoint did not train (the job's schedule
+    says which), or, when the checkpoint already reached train.steps, every rank exits 0."""
     box: list = [None, None]
     if env.rank == lead:
         try:
@@ -102,7 +103,10 @@ def _resume_point(job: Job, env: ProcessEnv, lead: int, run_dir: Path, control,
         progress.finish()
         dist.destroy_process_group()
         raise SystemExit(0)
-    return point.step, (Path(point.path) if point.path else None)
+    if not point.path:
+        return job, 0, None
+    job = replace(job, schedule=job.schedule.resumed_at(point.step, point.trained))
+    return job, point.step, Path(point.path)
 
 
 def _heartbeat(cfg: DictConfig, topo: Topology, env: ProcessEnv) -> Heartbeat:
@@ -157,7 +161,7 @@ def start_process(cfg: DictConfig, overrides: list[str], topo: Topology, env: Pr
     progress.stage("resolving")
     job = resolve(cfg, topo, device)
     record = provenance(overrides, layout, job.init_from.record() if job.init_from else None)
-    start_step, resume_from = _resume_point(job, env, topo.lead_drafter, run_dir, groups.control, progress)
+    job, start_step, resume_from = _resume_point(job, env, topo.lead_drafter, run_dir, groups.control, progress)
     if env.rank == 0:   # only once the run may go on: a refused resume leaves the run's own record as it was
         (run_dir / "config.yaml").write_text(config_yaml(cfg))
         write_provenance(run_dir, record)

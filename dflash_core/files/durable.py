@@ -23,11 +23,12 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def temporary_sibling(path: Path) -> Path:
-    """Where this process writes `path` (a file or a directory) before renaming it into place: in the
-    same directory, so the rename is atomic. One writer of a path per process."""
+def temporary_sibling(path: Path, pid: int | None = None) -> Path:
+    """Where this process (or the process `pid`, when several processes write into one directory that it
+    publishes) writes `path` (a file or a directory) before renaming it into place: in the same
+    directory, so the rename is atomic. One writer of a path per process."""
     path = Path(path)
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    return path.with_name(f".{path.name}.{os.getpid() if pid is None else pid}.tmp")
 
 
 @contextlib.contextmanager

@@ -1,8 +1,11 @@
 """Every model, config and checkpoint file is read through here: a target's or an export's
-config.json and safetensors, a checkpoint's meta.json and state.pt. None of them is opened in a way
-that runs code: a torch file is unpickled with `weights_only=True` (tensors and plain containers of
-numbers and strings only), so one that asks for anything else is an UnsafeFileError and nothing in it
-runs (a state file is untrusted input: checkpoints are copied between machines and teams). A file that is there but cannot
+config.json and safetensors, a checkpoint's JSON files and torch.distributed.checkpoint (DCP) shards
+(and the single state.pt of earlier versions). None of them is opened in a way that runs code: a torch
+file is unpickled with `weights_only=True` (tensors and plain containers of numbers and strings only),
+and a DCP checkpoint's `.metadata` (a plain pickle, which torch's own reader opens with `pickle.load`)
+with an unpickler that knows only DCP's metadata records, sizes, dtypes and paths; so one that asks for
+anything else is an UnsafeFileError and nothing in it runs (a state file is untrusted input:
+checkpoints are copied between machines and teams). A file that is there but cannot
 be used (cut short by an interrupted copy or write, corrupt, or not what it should be) is a
 BadFileError naming the file, its size and what is wrong with it; the libraries' own errors
 (`SafetensorError: invalid header length`, `PytorchStreamReader failed`, a JSONDecodeError) name
@@ -20,6 +23,8 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 
 class BadFileError(ValueError):
@@ -85,6 +90,13 @@ def check_safetensors(path) -> None:
         pass
 
 
+def _unsafe(path: Path, asked_for: str) -> UnsafeFileError:
+    return UnsafeFileError(f"{path}: refused: it holds code or objects a checkpoint must not hold ({asked_for}); it "
+                           f"was not loaded and nothing in it ran ({_size(path)}; this project's checkpoints hold only "
+                           f"tensors and plain values, so something else wrote or changed this file: use a checkpoint "
+                           f"from a source you trust)")
+
+
 def load_torch(path, **kwargs):
     """torch.load(path, weights_only=True, **kwargs): tensors and plain containers only, nothing in the file
     run; the file named in any failure but a missing or unreadable one."""
@@ -94,10 +106,7 @@ def load_torch(path, **kwargs):
     except (FileNotFoundError, PermissionError, IsADirectoryError):
         raise
     except pickle.UnpicklingError as exc:   # torch's weights-only unpickler refused what the pickle asks for
-        raise UnsafeFileError(f"{path}: refused: it holds code or objects a checkpoint must not hold "
-                              f"({_refused(exc)}); it was not loaded and nothing in it ran ({_size(path)}; this "
-                              f"project's checkpoints hold only tensors and plain values, so something else wrote "
-                              f"or changed this file: use a checkpoint from a source you trust)") from None
+        raise _unsafe(path, _refused(exc)) from None
     except Exception as exc:  # noqa: BLE001 (torch.load raises RuntimeError, EOFError, OSError...)
         if path.stat().st_size == 0:
             raise bad_file(path, "an empty file, not a torch file") from None
@@ -114,3 +123,61 @@ def _first_sentence(exc: BaseException) -> str:
     """PytorchStreamReader's message goes on, on the same line, about miniz and where to report it."""
     text = str(exc).strip()
     return re.split(r"(?<=\w)\. ", text.splitlines()[0], maxsplit=1)[0] if text else ""
+
+
+# What a DCP `.metadata` pickle names when torch writes it: its metadata records, torch.Size, dtypes (checked
+# apart), the layout and memory-format encodings, and the checkpoint's path. Each is data: building one runs
+# no code of the file's choosing.
+_DCP_METADATA_GLOBALS = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "_MEM_FORMAT_ENCODING", "StorageMeta", "MetadataIndex")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict"),
+}
+
+
+class _DcpMetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in _DCP_METADATA_GLOBALS or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")   # worded as torch's refusals (see _refused)
+
+
+def read_dcp_metadata(path) -> Metadata:
+    """A DCP checkpoint's `.metadata` (which tensors it holds, their chunks and where each chunk's bytes are),
+    unpickled knowing only what torch writes there (_DCP_METADATA_GLOBALS)."""
+    path = Path(path)
+    with open(path, "rb") as file:
+        try:
+            metadata = _DcpMetadataUnpickler(file).load()
+        except pickle.UnpicklingError as exc:
+            if str(exc).startswith("GLOBAL "):
+                raise _unsafe(path, _refused(exc)) from None
+            raise bad_file(path, f"not a readable DCP metadata file ({_first_sentence(exc)})") from None
+        except Exception as exc:  # noqa: BLE001 (a torn pickle raises EOFError, ValueError, KeyError, ...)
+            raise bad_file(path, f"not a readable DCP metadata file ({type(exc).__name__}: {_first_sentence(exc)})")\
+                from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise bad_file(path, f"holds a {type(metadata).__name__}, not DCP metadata", "not the file it should be")
+    return metadata
+
+
+class DcpReader(FileSystemReader):
+    """torch.distributed.checkpoint's reader of a checkpoint directory, its `.metadata` read by
+    read_dcp_metadata; the tensors it reads torch loads with weights_only=True, and a tensor file whose
+    pickle asks for more is an UnsafeFileError naming the directory."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        metadata = read_dcp_metadata(Path(self.path) / ".metadata")
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan, planner):
+        try:
+            return super().read_data(plan, planner)
+        except pickle.UnpicklingError as exc:
+            raise _unsafe(Path(self.path), _refused(exc)) from None

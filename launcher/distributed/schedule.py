@@ -1,11 +1,12 @@
 """The deterministic stream of micro-batches: who produces item k, who consumes it.
 
-The stream is a pure function of the config, so every rank derives it alone (no coordinator)
-and a resumed run restarts at the first item of its step.
+The stream is a pure function of the config (and, for a run resumed at another number of
+micro-batches per step, of where its checkpoint stopped: `resumed_at`), so every rank derives it alone
+(no coordinator) and a resumed run restarts at the first item of its step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 TRAIN, EVAL = 0, 1
@@ -29,10 +30,22 @@ class Schedule:
     grad_accum: int
     eval_every: int      # 0: evaluate only after the last step
     eval_batches: int    # per drafter per evaluation; 0 disables evaluation
+    # Step origin_step trains from micro-batch origin_index on: (0, 0), or where a checkpoint trained at another
+    # number of micro-batches per step stopped (resumed_at), so every micro-batch is still trained once.
+    origin_step: int = 0
+    origin_index: int = 0
 
     @property
     def train_per_step(self) -> int:
         return self.num_drafters * self.grad_accum
+
+    def trained_before(self, step: int) -> int:
+        """Training micro-batches consumed by the steps before `step` (0-based), over the whole lineage."""
+        return self.origin_index + (step - self.origin_step) * self.train_per_step
+
+    def resumed_at(self, step: int, trained: int) -> Schedule:
+        """This schedule continuing a checkpoint of `step` steps that trained micro-batches [0, trained)."""
+        return replace(self, origin_step=step, origin_index=trained)
 
     @property
     def eval_per_round(self) -> int:
@@ -57,7 +70,7 @@ class Schedule:
         seq = self.first_seq(start_step)
         for step in range(start_step, self.steps):
             for j in range(self.train_per_step):
-                yield Item(seq, TRAIN, step * self.train_per_step + j, step,
+                yield Item(seq, TRAIN, self.trained_before(step) + j, step,
                            seq % self.num_units, j % self.num_drafters)
                 seq += 1
             if self.evaluates_after(step):

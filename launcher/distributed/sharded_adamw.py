@@ -31,9 +31,10 @@ for them there. The next forward does, bucket by bucket, just before it first re
 overlap the rest of the update and the next forward instead of following the update (what that hides:
 docs/perf_notes.md, "Step time, sixth pass").
 
-Checkpoints: `state_dict()` is torch AdamW's layout (`step`, `exp_avg`, `exp_avg_sq` per weight, in
-`model.parameters()` order) and `model_state_dict()` the fp32 weights by name, both gathered on the
-group's first rank, so checkpoints load at any drafter count and from the earlier DDP trainer's.
+Checkpoints: `checkpoint_pieces()` are this rank's part of the fp32 weights and moments as flat
+tensors per weight at their global offsets, which each rank writes and reads itself (no gather:
+launcher/run_io/checkpoint.py), so a checkpoint loads at any drafter count; `state_dict()` is the rest
+(the update count and the hyper-parameters) as JSON values.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash_core.kernels.fused_adamw import adamw_, sum_of_squares
+from launcher.run_io.checkpoint import KINDS, Piece
 
 # torch 2.13 renamed both collectives (same arguments); 2.11 and 2.12 have only the old names.
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -321,42 +323,38 @@ class ShardedAdamW(torch.optim.Optimizer):
                 for b in self.buckets for param, span, _ in b.weights()]
 
     # ------------------------------------------------------------------ checkpoints
-    def _gathered(self, bucket: _Bucket, shard: torch.Tensor) -> torch.Tensor | None:
-        """The bucket's whole flat fp32 tensor from every rank's shard, on the host of the group's first
-        rank (None on the others)."""
-        if bucket.sharded and self.world > 1:
-            if self._through_host:
-                shard = shard.cpu()
-            parts = [torch.empty_like(shard) for _ in range(self.world)] if self.rank == 0 else None
-            dist.gather(shard, parts, dst=dist.get_global_rank(self.group, 0), group=self.group)
-            return torch.cat(parts).cpu() if parts else None
-        return shard.detach().to("cpu", torch.float32, copy=True) if self.rank == 0 else None
+    def checkpoint_pieces(self, writing: bool) -> list[Piece]:
+        """This rank's part of the fp32 weights and AdamW moments: Pieces of one flat tensor per weight and
+        kind ("model.<name>", "exp_avg.<name>", "exp_avg_sq.<name>"), where this rank's shard meets each
+        matrix, and each vector whole (every rank holds them all: written by the group's first rank alone,
+        when `writing`; read by every rank). Views of the live state: reading into them sets it, then
+        `loaded()`."""
+        pieces = []
+        for bucket in self.buckets:
+            if writing and not bucket.sharded and self.rank != 0:
+                continue
+            for param, _, where in bucket.weights():
+                if where is not None:
+                    name = self._name[id(param)]
+                    pieces += [Piece(f"{kind}.{name}", param.numel(), where[0].start, values[where[1]])
+                               for kind, values in zip(KINDS, (bucket.master, bucket.exp_avg, bucket.exp_avg_sq))]
+        return pieces
 
-    def _per_weight(self, shards) -> dict[int, torch.Tensor] | None:
-        """{weight index: whole fp32 tensor} from per-bucket shards (collective; None off the first rank)."""
-        out = {}
-        for bucket, shard in zip(self.buckets, shards):
-            flat = self._gathered(bucket, shard)
-            if flat is not None:
-                for param, span, _ in bucket.weights():
-                    out[self._index[id(param)]] = flat[span].view(param.shape)
-        return out if self.rank == 0 else None
+    def loaded(self) -> None:
+        """After checkpoint_pieces() were read into (on every rank): the compute copies from the masters."""
+        self.wait_for_weights()
+        with torch.no_grad():
+            for bucket in self.buckets:
+                if bucket.separate_master:
+                    bucket.compute[bucket.lo:bucket.hi].copy_(bucket.master)
+                if bucket.sharded and self.world > 1:
+                    self._collective(_ALL_GATHER, bucket.compute, bucket.compute[bucket.lo:bucket.hi]).wait()
 
-    def model_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The fp32 weights by name, on the host of the group's first rank (collective: call on every rank)."""
-        weights = self._per_weight([b.master for b in self.buckets])
-        return None if weights is None else {name: weights[i] for i, (name, _) in enumerate(self.named)}
-
-    def state_dict(self) -> dict | None:
-        """torch AdamW's state_dict layout, on the host of the group's first rank (collective)."""
-        moments = [self._per_weight([getattr(b, key) for b in self.buckets]) for key in ("exp_avg", "exp_avg_sq")]
-        if moments[0] is None:
-            return None
-        step = self._step.cpu()
-        state = {i: {"step": step.clone(), "exp_avg": moments[0][i], "exp_avg_sq": moments[1][i]}
-                 for i in range(len(self.named))} if step > 0 else {}
+    def state_dict(self) -> dict:
+        """The optimiser's state besides its tensors (checkpoint_pieces): the update count and the
+        hyper-parameters, as JSON values."""
         group = {key: value for key, value in self.param_groups[0].items() if key != "params"}
-        return {"state": state, "param_groups": [{**group, "params": list(range(len(self.named)))}]}
+        return {"step": float(self._step), "param_groups": [group]}
 
     def load_model_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Set masters and compute copies from whole fp32 weights by name (every rank reads all of them)."""
@@ -374,23 +372,10 @@ class ShardedAdamW(torch.optim.Optimizer):
                         bucket.master[where[1]] = value[where[0]]
 
     def load_state_dict(self, state: dict) -> None:
-        """torch AdamW's layout (this optimiser's, or torch's fused or unfused AdamW's over the same weights)."""
+        """state_dict()'s values: the update count, and the hyper-parameters the checkpoint was trained with."""
         saved = state["param_groups"][0]
         group = self.param_groups[0]
         for key in group:
             if key != "params" and key in saved:
                 group[key] = tuple(saved[key]) if key == "betas" else saved[key]
-        moments = state["state"]
-        if not moments:   # saved before its first step
-            return
-        steps = {float(s["step"]) for s in moments.values()}
-        if len(steps) != 1:
-            raise ValueError(f"the checkpoint's weights were updated different numbers of times: {sorted(steps)}")
-        self._step.fill_(steps.pop())
-        for bucket in self.buckets:
-            for param, _, where in bucket.weights():
-                if where is None:
-                    continue
-                saved_state = moments[self._index[id(param)]]
-                for key in ("exp_avg", "exp_avg_sq"):
-                    getattr(bucket, key)[where[1]] = saved_state[key].reshape(-1)[where[0]].to(self._step.device)
+        self._step.fill_(state["step"])

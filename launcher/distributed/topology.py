@@ -86,6 +86,9 @@ class Groups:
     targets: dist.ProcessGroup
     drafters: dist.ProcessGroup
     unit: dist.ProcessGroup | None      # this rank's tensor-parallel target unit (None on drafters)
+    # gloo over the drafter ranks, for the checkpoints' writes alone: they run in a background thread,
+    # and collectives of two threads on one group could interleave in another order on each rank.
+    checkpoints: dist.ProcessGroup
 
 
 def build_groups(topo: Topology, rank: int, timeout_s: float) -> Groups:
@@ -96,10 +99,11 @@ def build_groups(topo: Topology, rank: int, timeout_s: float) -> Groups:
     targets = dist.new_group(list(range(topo.num_targets)), timeout=timeout)
     drafter_ranks = list(range(topo.num_targets, topo.world_size))
     drafters = dist.new_group(drafter_ranks, timeout=timeout)
+    checkpoints = dist.new_group(drafter_ranks, timeout=timeout, backend="gloo")
     unit = None
     for u in range(topo.num_units):
         ranks = list(range(topo.unit_leader(u), topo.unit_leader(u) + topo.tp_size))
         group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             unit = group
-    return Groups(control, targets, drafters, unit)
+    return Groups(control, targets, drafters, unit, checkpoints)

@@ -143,9 +143,12 @@ def run_drafter(ctx: Context, sink: MetricsSink | None) -> DrafterStats:
     lead = ctx.rank == topo.lead_drafter
     ctx.progress.stage("building_drafter")
     trainer = DrafterTrainer(job, ctx.groups.drafters)
+    # Every drafter rank writes its own shard of each checkpoint, in the background (run_io/checkpoint.py).
+    checkpoints = checkpoint.Checkpointer(ctx.run_dir / "checkpoints", run.keep_checkpoints, ctx.groups.checkpoints,
+                                          trainer.checkpoint_pieces())
     if ctx.resume_from is not None:   # a checkpoint of this run: its weights, not drafter.init_from's
         ctx.progress.stage("restoring_checkpoint")
-        trainer.load_state(checkpoint.load(ctx.resume_from)[1])
+        trainer.restore(ctx.resume_from, ctx.groups.checkpoints)
     elif job.init_from is not None:
         trainer.start_from(job.init_from)
         log.info("drafter weights from %s (model.safetensors sha256 %s)", job.init_from.path,
@@ -183,11 +186,10 @@ def run_drafter(ctx: Context, sink: MetricsSink | None) -> DrafterStats:
             if sink is not None:
                 sink.eval(step + 1, held_out)
             books.last_eval = held_out
-        if saves:
-            state = trainer.state(done)   # every drafter rank: each holds a shard of the weights and moments
-            if lead:
-                log.info("checkpoint %s", checkpoint.save(ctx.run_dir / "checkpoints", done, state,
-                                                          run.keep_checkpoints, record=resume.record(job)))
+        if saves:   # waits for the save before it; this one is written while the next steps run
+            checkpoints.save(done, trainer.checkpoint_pieces(), trainer.checkpoint_state(done) if lead else {},
+                             resume.record(job, done) if lead else None)
+    checkpoints.close()
     receiver.close([topo.unit_leader(u) for u in range(topo.num_units)])
     books.seq_log.close()
     if lead:

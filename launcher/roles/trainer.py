@@ -1,8 +1,8 @@
 """The drafter's training state and its one optimiser step, on one rank of the drafter group.
 
 Public surface (the drafter loop and the benchmark use nothing else): `DrafterTrainer(job, group)`,
-`train_step(batches)` -> `LaunchedStep` (`.result()`), `evaluate(batches)`, `warm_up()`, `state()` /
-`load_state()`, `updated_drafter()`.
+`train_step(batches)` -> `LaunchedStep` (`.result()`), `evaluate(batches)`, `warm_up()`,
+`checkpoint_pieces()` / `checkpoint_state()` / `restore()`, `updated_drafter()`.
 
 A step never waits for the GPU: every value the host wants (loss, counts, gradient norm, whether
 the update was skipped) is copied out behind the step's own kernels and read with
@@ -128,24 +128,30 @@ class DrafterTrainer:
         self.optimizer.wait_for_weights()
         return self.drafter
 
-    def state(self, step: int) -> dict | None:
-        """The checkpoint's state on the lead drafter (None on the others). Collective: every drafter
-        rank calls it, since each holds a shard of the fp32 weights and AdamW moments."""
-        model, optimizer = self.optimizer.model_state_dict(), self.optimizer.state_dict()
-        if model is None:
-            return None
-        return {"step": step, "model": model, "optimizer": optimizer,
-                "scheduler": self.scheduler.state_dict(), "rng": checkpoint.rng_state(),
-                "drafter_config": dataclasses.asdict(self.dcfg), "tokens_seen": self.tokens_seen}
+    def checkpoint_pieces(self, writing: bool = True) -> list[checkpoint.Piece]:
+        """This rank's shard of the fp32 weights and AdamW moments (ShardedAdamW.checkpoint_pieces)."""
+        return self.optimizer.checkpoint_pieces(writing)
+
+    def checkpoint_state(self, step: int) -> dict:
+        """The rest of the checkpoint's state (trainer.json), as JSON values; the same on every drafter rank
+        but the RNG states, which are this rank's (the lead's are written)."""
+        return {"step": step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "rng": checkpoint.rng_state(), "drafter_config": dataclasses.asdict(self.dcfg),
+                "tokens_seen": self.tokens_seen,
+                "shapes": {name: list(param.shape) for name, param in self.drafter.named_parameters()}}
 
     def start_from(self, source: WarmStart) -> None:
         """The drafter's weights from an export (drafter.init_from); the optimiser's moments, its step count
         and the schedule stay those of a fresh run."""
         self.optimizer.load_model_state_dict(load_exported(source.path).state_dict())
 
-    def load_state(self, state: dict) -> None:
-        self.optimizer.load_model_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])   # torch AdamW's layout (the DDP trainer's too)
+    def restore(self, path, group: dist.ProcessGroup | None) -> None:
+        """Continue the checkpoint at `path`, whatever drafter count wrote it: this rank's shard is read
+        from the ranks' files that hold it (collective over `group`: the Checkpointer's)."""
+        state = checkpoint.read_state(path)
+        checkpoint.read_pieces(path, self.checkpoint_pieces(writing=False), group)
+        self.optimizer.loaded()
+        self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         checkpoint.set_rng_state(state["rng"])
         self._tokens_seen.fill_(state.get("tokens_seen", 0))

@@ -1,13 +1,16 @@
 """Where a run starts: which checkpoint it continues, and whether the current config may continue it.
 
 Every checkpoint's meta.json records what it was trained with: the drafter's shape (`model`), what
-decides which micro-batches each step consumes (`stream`) and the whole resolved config. On resume
-the shape must match (the weights would not fit, or would be trained for another block size or
-feature set) and so must the stream: step k consumes the micro-batches [k P, (k + 1) P) of a data
-order fixed by the seed, the data and the micro-batch size, with P = drafter ranks x grad_accum, so
-any change there would train some micro-batches twice and others never. (A topology with another
-drafter count but the same P, e.g. t1d2 -> t1d1 with grad_accum 1 -> 2, consumes the same
-micro-batches and is allowed.) Other changes (learning rate, steps, ...) are listed in a warning.
+decides the order of the micro-batches (`stream`), how many it trained, and the whole resolved config.
+On resume the shape must match (the weights would not fit, or would be trained for another block size
+or feature set) and so must the data order, fixed by the seed, the data and the micro-batch size: any
+change there would train some micro-batches twice and others never. The micro-batches per step, P =
+drafter ranks x grad_accum, may change (another drafter count): the resumed run goes on at the first
+micro-batch the checkpoint did not train, P per step (launcher/distributed/schedule.py, `resumed_at`);
+each micro-batch is still trained once and in order, but an optimiser step then averages over another
+number of them, which the run says once. (Another drafter count with the same P, e.g. t1d2 -> t1d1
+with grad_accum 1 -> 2, continues exactly.) Other changes (learning rate, steps, ...) are listed in a
+warning.
 """
 from __future__ import annotations
 
@@ -53,19 +56,24 @@ class ResumePoint:
     step: int = 0                  # first optimiser step this run executes
     path: str | None = None        # checkpoint it restores
     finished: str | None = None    # why there is nothing to train (train.steps at or below the checkpoint's)
+    trained: int = 0               # training micro-batches the checkpoint's lineage consumed
 
 
-def record(job: Job) -> dict:
-    """What meta.json records about the config a checkpoint was trained with."""
+_PER_STEP = "micro-batches per step"
+_TRAINED = "trained micro-batches"
+
+
+def record(job: Job, step: int) -> dict:
+    """What meta.json records about the config a checkpoint of `step` steps was trained with."""
     sched = job.schedule
     model = {f"drafter.{key}": value for key, value in asdict(job.drafter).items()}
     model["target.model_type"] = text_config(job.target.hf_config).model_type
-    stream = {"micro-batches per step": sched.train_per_step, "train.micro_batch_size": job.train.micro_batch_size,
+    stream = {_PER_STEP: sched.train_per_step, "train.micro_batch_size": job.train.micro_batch_size,
               "run.seed": job.run.seed, "data.packing": job.packing, "held-out split": sched.eval_batches > 0,
               **{f"data.{key}": value for key, value in asdict(job.data).items() if key not in _NOT_STREAM}}
-    return {"model": model, "stream": stream, "data_files": data_fingerprints(job.data_sources()),
-            "split": {"drafter ranks": sched.num_drafters,
-                                                        "train.grad_accum": sched.grad_accum},
+    return {"model": model, "stream": stream, _TRAINED: sched.trained_before(step),
+            "data_files": data_fingerprints(job.data_sources()),
+            "split": {"drafter ranks": sched.num_drafters, "train.grad_accum": sched.grad_accum},
             "config": flat_config(job.cfg)}
 
 
@@ -97,18 +105,24 @@ def _recorded(record: dict, key: str) -> str:
     return repr(record[key]) if key in record else "no such setting"
 
 
-def _stream_consequence(saved: dict, now: dict, step: int) -> str:
-    per_step = "micro-batches per step"
-    before, after = saved["stream"][per_step], now["stream"][per_step]
-    if before != after and not _changes(saved["stream"], now["stream"], skip=(per_step,)):
-        split = [" x ".join(str(v) for v in side["split"].values()) for side in (saved, now)]
-        trained, next_first = step * before, step * after
-        gap = (f"micro-batches {trained}-{next_first - 1} would never be trained" if after > before else
-               f"micro-batches {next_first}-{trained - 1} would be trained twice")
-        return (f"the checkpoint trained micro-batches 0-{trained - 1} ({before} per step: drafter ranks x "
-                f"train.grad_accum = {split[0]}); resuming at step {step} with {after} per step ({split[1]}), {gap}")
-    return ("the micro-batches after the checkpoint would not continue its data order (some samples trained "
-            "twice, others never)")
+def trained(meta: dict) -> int:
+    """The training micro-batches the lineage of a checkpoint's meta.json consumed (recorded since runs may
+    change the micro-batches per step; before, every step consumed the same number)."""
+    if _TRAINED in meta:
+        return meta[_TRAINED]
+    return meta["step"] * meta["stream"][_PER_STEP] if "stream" in meta else 0
+
+
+def _regrouped(meta: dict, now: dict, path: Path) -> None:
+    """Said once: the stream goes on where the checkpoint stopped, in steps of another size."""
+    split = [" x ".join(str(v) for v in side["split"].values()) for side in (meta, now)]
+    before, after = meta["stream"][_PER_STEP], now["stream"][_PER_STEP]
+    log.warning("resuming from %s with %d micro-batches per step (drafter ranks x train.grad_accum = %s) where the "
+                "checkpoint trained %d (%s): the stream goes on at micro-batch %d, every micro-batch still trained "
+                "once and in order, but each optimiser step now averages %d of them, not %d (the learning-rate "
+                "schedule still counts steps), so the loss curve goes on as a run with this split would, not as "
+                "the checkpoint's; set train.grad_accum to keep %d per step", path, after, split[1], before,
+                split[0], trained(meta), after, before, before)
 
 
 def check(meta: dict, job: Job, path: Path) -> None:
@@ -116,17 +130,19 @@ def check(meta: dict, job: Job, path: Path) -> None:
     if "model" not in meta:
         log.warning("checkpoint %s records no config (written before resumes were checked): not compared", path)
         return
-    now, step = json.loads(json.dumps(record(job))), meta["step"]   # compared as meta.json stores it
+    now, step = json.loads(json.dumps(record(job, meta["step"]))), meta["step"]   # compared as meta.json stores it
     shape = _changes(meta["model"], now["model"])
     if shape:
         raise ResumeError(f"cannot resume from {path}: the drafter's shape differs from the checkpoint's "
                           f"({'; '.join(shape)}); resume with the checkpoint's settings, or train this shape in "
                           f"another run.dir")
-    stream = _changes(meta["stream"], now["stream"])
+    stream = _changes(meta["stream"], now["stream"], skip=(_PER_STEP,))
     if stream:
-        raise ResumeError(f"cannot resume from {path} at step {step}: {'; '.join(stream)}: "
-                          f"{_stream_consequence(meta, now, step)}; resume with the checkpoint's values, or start "
-                          f"fresh in another run.dir")
+        raise ResumeError(f"cannot resume from {path} at step {step}: {'; '.join(stream)}: the micro-batches after "
+                          f"the checkpoint would not continue its data order (some samples trained twice, others "
+                          f"never); resume with the checkpoint's values, or start fresh in another run.dir")
+    if meta["stream"][_PER_STEP] != now["stream"][_PER_STEP]:
+        _regrouped(meta, now, path)
     _check_data_files(meta, now, path, step)
     others = _changes(meta["config"], now["config"], skip=_PER_LAUNCH + tuple(now["model"]) + tuple(now["stream"]))
     if others:
@@ -143,16 +159,16 @@ def _explicit(setting: str, run_dir: Path, launch: Launch) -> tuple[Path, int]:
         if own is not None:
             log.warning("run.resume=%s: this run.dir continues it already; resuming from its own latest %s",
                         setting, own[0])
-            return own[0], own[1]
-        return source, checkpoint.load(source)[0]
+            return own
+        return source, checkpoint.verify(source)
     latest = checkpoint.pointed(root)
     if latest is not None and latest.resolve() == source:   # the dir's own latest, named explicitly
-        return source, checkpoint.load(source)[0]
+        return source, checkpoint.verify(source)
     if checkpoint.complete(root):
         raise ResumeError(f"run.resume={setting}: run.dir={str(run_dir)!r} already holds the checkpoints of another "
                           f"training history (latest {latest.name if latest else 'unknown'}), which later saves "
                           f"would mix with: resume into another run.dir, or move or delete {root}")
-    step = checkpoint.load(source)[0]
+    step = checkpoint.verify(source)
     launch.start_lineage(root, parent=str(source))
     return source, step
 
@@ -183,12 +199,13 @@ def choose(job: Job, run_dir: Path, launch: Launch = Launch()) -> ResumePoint:
             if checkpoint.read_lineage(root) is None:
                 launch.start_lineage(root)
             return ResumePoint()
-        path, step = found[0], found[1]
+        path, step = found
     else:
         path, step = _explicit(setting, run_dir, launch)
-    check(checkpoint.read_meta(path), job, path)
+    meta = checkpoint.read_meta(path)
+    check(meta, job, path)
     finished = None
     if step >= job.train.steps:
         finished = (f"the checkpoint {path} is at step {step} and train.steps={job.train.steps}: nothing to "
                     f"train (raise train.steps to train further)")
-    return ResumePoint(step, str(path), finished)
+    return ResumePoint(step, str(path), finished, trained(meta))
