@@ -75,7 +75,7 @@ def wait_for(condition, timeout: float, what: str, poll: float = 0.2) -> None:
 
 
 def seq_lines(run_dir: Path, verb: str) -> list[dict]:
-    """Parsed lines of the run's seq logs: {"seq", "step", "kind", "drafter", "attempt"}."""
+    """Parsed lines of the run's seq logs: {"seq", "step", "kind", "index", "drafter", "attempt"}."""
     out = []
     for log in sorted((run_dir / "seq").glob("rank*.log")):
         for line in log.read_text().splitlines():

@@ -1,5 +1,7 @@
 import errno
+import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -7,12 +9,13 @@ import sys
 import pytest
 import torch
 
-from dflash_core.files.readers import UnsafeFileError
+from dflash_core.files.readers import BadFileError, UnsafeFileError, read_dcp_metadata
 from launcher.export import export_checkpoint
 from launcher.run_io import checkpoint
+from launcher.run_io.checkpoint import Piece
 from tests.launching import REPO
 
-# A writer that stops for good in the middle of writing state.pt (as a large save on a slow disk does).
+# A writer that stops for good in the middle of writing its shard (as a large save on a slow disk does).
 _WRITER_STUCK_MID_WRITE = """
 import sys, time, torch
 from launcher.run_io import checkpoint
@@ -22,58 +25,70 @@ def half_written(state, f):
     print("writing", flush=True)
     time.sleep(600)
 torch.save = half_written
-checkpoint.save(sys.argv[1], 20, {"step": 20}, keep=2)
+checkpoint.save(sys.argv[1], 20, [checkpoint.Piece.whole("model.w", torch.zeros(3))], {"step": 20}, keep=2)
 """
 
 
-def _state(step):
-    return {"step": step, "model": {"w": torch.full((3,), float(step))}}
+def _save(root, step, keep, value=None):
+    """A checkpoint of one weight `w` (filled with `step`), written by this process alone."""
+    weight = torch.full((3,), float(step)) if value is None else value
+    return checkpoint.save(root, step, [Piece.whole("model.w", weight)],
+                           {"step": step, "drafter_config": {}, "shapes": {"w": [3]}}, keep)
 
 
 def test_latest_complete_checkpoint_and_pruning(tmp_path):
     for step in (10, 20, 30):
-        checkpoint.save(tmp_path, step, _state(step), keep=2)
+        _save(tmp_path, step, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == ["step_00000020",
                                                                                          "step_00000030"]
     assert (tmp_path / "latest").read_text() == "step_00000030"
-    path, step, state = checkpoint.load_latest(tmp_path)
-    assert path.name == "step_00000030" and step == 30 and torch.equal(state["model"]["w"], torch.full((3,), 30.0))
+    path, step = checkpoint.load_latest(tmp_path)
+    assert path.name == "step_00000030" and step == 30
+    assert torch.equal(checkpoint.load_weights(path)[2]["w"], torch.full((3,), 30.0))
+    # One process wrote it: one shard, DCP's metadata, the trainer's state and meta.json, written last.
+    assert sorted(p.name for p in path.iterdir()) == [".metadata", "__0_0.distcp", "meta.json", "trainer.json"]
 
 
 def test_crash_mid_write_leaves_previous_loadable(tmp_path):
-    checkpoint.save(tmp_path, 10, _state(10), keep=3)
+    _save(tmp_path, 10, keep=3)
     # A writer killed before its rename leaves only a temporary dir behind.
     torn = tmp_path / f".step_00000020.{os.getpid() + 1}.tmp"
     torn.mkdir()
-    (torn / "state.pt").write_bytes(b"\x80partial")
+    (torn / "__0_0.distcp").write_bytes(b"\x80partial")
     assert checkpoint.load_latest(tmp_path)[1] == 10
 
 
 def test_a_dead_writers_temporaries_are_removed_under_either_naming(tmp_path):
-    checkpoint.save(tmp_path, 10, _state(10), keep=3)
+    _save(tmp_path, 10, keep=3)
     dead = os.getpid() + 1
     # This version's names, and those of the version before (a run dir it wrote may still hold them).
     left = [tmp_path / f".step_00000020.{dead}.tmp", tmp_path / f".tmp_step_00000020_{dead}"]
     for directory in left:
         directory.mkdir()
     (tmp_path / f".latest_{dead}").write_text("step_00000020")
-    checkpoint.save(tmp_path, 20, _state(20), keep=3)
+    _save(tmp_path, 20, keep=3)
     assert not any(path.exists() for path in [*left, tmp_path / f".latest_{dead}"])
     assert checkpoint.load_latest(tmp_path)[1] == 20
 
 
-def test_corrupt_checkpoint_is_skipped_with_warning(tmp_path, caplog):
-    checkpoint.save(tmp_path, 10, _state(10), keep=3)
-    bad = checkpoint.save(tmp_path, 20, _state(20), keep=3)
-    (bad / "state.pt").write_bytes(b"garbage")
+def test_a_cut_short_or_corrupt_checkpoint_is_skipped_with_warning(tmp_path, caplog):
+    _save(tmp_path, 10, keep=3)
+    bad = _save(tmp_path, 20, keep=3)
+    shard = bad / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])   # an interrupted copy
+    with pytest.raises(BadFileError, match=r"__0_0.distcp: cut short: its checkpoint's .metadata records [\d,]+ "
+                                           r"bytes in it \(100 bytes"):
+        checkpoint.verify(bad)
     with caplog.at_level("WARNING", logger="dflash"):
-        _, step, _ = checkpoint.load_latest(tmp_path)
-    assert step == 10
-    assert "step_00000020" in caplog.text and "unreadable" in caplog.text
+        assert checkpoint.load_latest(tmp_path)[1] == 10
+    assert "step_00000020 is unreadable" in caplog.text
+    (bad / ".metadata").write_bytes(b"garbage")
+    with pytest.raises(BadFileError, match=r"\.metadata: not a readable DCP metadata file"):
+        checkpoint.verify(bad)
 
 
 class _Payload:
-    """What a planted state file carries: unpickling it runs a shell command that leaves `marker`."""
+    """What a planted file carries: unpickling it runs a shell command that leaves `marker`."""
     def __init__(self, marker):
         self.marker = marker
 
@@ -81,23 +96,81 @@ class _Payload:
         return os.system, (f"touch {self.marker}",)
 
 
-def test_a_state_file_carrying_code_is_refused_named_and_never_run(tmp_path):
-    checkpoint.save(tmp_path, 10, _state(10), keep=3)
-    planted = checkpoint.save(tmp_path, 20, {"step": 20, "model": {"w": _Payload(tmp_path / "ran")}}, keep=3)
-    live = tmp_path / "live.pt"   # the same payload, opened the old way, does run: the test plants a live one
-    torch.save(_Payload(tmp_path / "ran-unsafely"), live)
-    torch.load(live, weights_only=False)
+def _refused(path):
+    return (rf"{path}: refused: it holds code or objects a checkpoint must not hold \(its pickle asks for "
+            rf"(posix|os|nt)\.system\); it was not loaded and nothing in it ran")
+
+
+def test_a_checkpoint_carrying_code_is_refused_named_and_never_run(tmp_path):
+    _save(tmp_path, 10, keep=3)
+    planted = _save(tmp_path, 20, keep=3)
+    # DCP's .metadata is a plain pickle (torch's own reader opens it with pickle.load): planted there, the payload
+    # would run on opening; ours knows only DCP's records.
+    (planted / ".metadata").write_bytes(pickle.dumps(_Payload(tmp_path / "ran")))
+    live = tmp_path / "live.pkl"   # the same payload, opened the plain way, does run: the test plants a live one
+    live.write_bytes(pickle.dumps(_Payload(tmp_path / "ran-unsafely")))
+    pickle.loads(live.read_bytes())
     assert (tmp_path / "ran-unsafely").exists()
 
-    said = (rf"{planted / 'state.pt'}: refused: it holds code or objects a checkpoint must not hold \(its pickle "
-            rf"asks for (posix|os|nt)\.system\); it was not loaded and nothing in it ran")
+    said = _refused(planted / ".metadata")
     with pytest.raises(UnsafeFileError, match=said):
-        checkpoint.load(planted)
+        checkpoint.verify(planted)
     with pytest.raises(UnsafeFileError, match=said):   # not passed over for the previous one: the user decides
         checkpoint.load_latest(tmp_path)
     with pytest.raises(UnsafeFileError, match=said):
         export_checkpoint(planted, tmp_path / "export")
     assert not (tmp_path / "ran").exists() and not (tmp_path / "export").exists()
+
+    # A tensor file (torch.save of each chunk, read with weights_only) carrying it is refused as well, its
+    # .metadata rewritten to match (a consistent plant, not a torn file).
+    shards = _save(tmp_path / "again", 30, keep=1)
+    torch.save(_Payload(tmp_path / "ran"), shards / "__0_0.distcp")
+    metadata = read_dcp_metadata(shards / ".metadata")
+    for info in metadata.storage_data.values():
+        info.length = (shards / "__0_0.distcp").stat().st_size
+    (shards / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(UnsafeFileError, match=_refused(shards)):
+        checkpoint.load_weights(shards)
+    assert not (tmp_path / "ran").exists()
+
+
+def _legacy_checkpoint(path, step, payload=None):
+    """A checkpoint as earlier versions wrote it: meta.json and one state.pt (the lead's gather)."""
+    path.mkdir(parents=True)
+    weights = {"w": torch.arange(6.0).view(2, 3), "b": torch.ones(2)}
+    moments = {i: {"step": torch.tensor(float(step)), "exp_avg": value * 0.1, "exp_avg_sq": value * 0.01}
+               for i, value in enumerate(weights.values())}
+    state = {"step": step, "model": weights if payload is None else {**weights, "w": payload},
+             "optimizer": {"state": moments, "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "params": [0, 1]}]},
+             "scheduler": {"last_epoch": step}, "rng": {"python": (3, tuple(range(625)), None),
+                                                      "torch": torch.get_rng_state()},
+             "drafter_config": {"block_size": 4}, "tokens_seen": 99}
+    torch.save(state, path / "state.pt")
+    (path / "meta.json").write_text(json.dumps({"step": step}))
+    return weights
+
+
+def test_a_checkpoint_of_earlier_versions_is_read_with_weights_only_and_said_so(tmp_path, caplog):
+    weights = _legacy_checkpoint(tmp_path / "step_00000005", 5)
+    assert checkpoint.load_latest(tmp_path) == (tmp_path / "step_00000005", 5)
+    with caplog.at_level("WARNING", logger="dflash"):
+        step, config, loaded = checkpoint.load_weights(tmp_path / "step_00000005")
+    assert (step, config) == (5, {"block_size": 4})
+    assert all(torch.equal(loaded[name], value) for name, value in weights.items())
+    assert "single-file format of earlier versions (state.pt): read whole, with weights_only" in caplog.text
+    # A rank's shard of the moments, as the trainer restores it at any drafter count.
+    part = Piece("exp_avg_sq.w", 6, 2, torch.zeros(3))
+    checkpoint.read_pieces(tmp_path / "step_00000005", [part])
+    assert torch.equal(part.tensor, torch.arange(2.0, 5.0) * 0.01)
+    state = checkpoint.read_state(tmp_path / "step_00000005")
+    assert state["optimizer"] == {"step": 5.0, "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95)}]}
+    assert (state["tokens_seen"], state["shapes"]) == (99, {"w": [2, 3], "b": [2]})
+
+    planted = tmp_path / "planted" / "step_00000005"
+    _legacy_checkpoint(planted, 5, payload=_Payload(tmp_path / "ran"))
+    with pytest.raises(UnsafeFileError, match=_refused(planted / "state.pt")):
+        checkpoint.verify(planted)
+    assert not (tmp_path / "ran").exists()
 
 
 def test_no_checkpoint(tmp_path):
@@ -109,15 +182,15 @@ def test_latest_and_pruning_follow_this_lineage_not_the_name_order(tmp_path):
     # in the same dir then saves step_00000010. A name sort used to prune the new run's checkpoint at
     # once, leave `latest` dangling, and "resume" the old run's step 100 (training 0 steps).
     for step in (80, 100):
-        checkpoint.save(tmp_path, step, _state(step), keep=2)
+        _save(tmp_path, step, keep=2)
     old_lineage = checkpoint.read_lineage(tmp_path)["id"]
     new_lineage = checkpoint.start_lineage(tmp_path)
-    checkpoint.save(tmp_path, 10, _state(10), keep=2)
+    _save(tmp_path, 10, keep=2)
     assert (tmp_path / "latest").read_text() == "step_00000010" and (tmp_path / "step_00000010").is_dir()
-    path, step, _ = checkpoint.load_latest(tmp_path)
+    path, step = checkpoint.load_latest(tmp_path)
     assert (path.name, step) == ("step_00000010", 10)
     for step in (20, 30):
-        checkpoint.save(tmp_path, step, _state(step), keep=2)
+        _save(tmp_path, step, keep=2)
     # Only this lineage's oldest went; the other history's checkpoints are not this run's to prune.
     assert [p.name for p in checkpoint.complete(tmp_path)] == ["step_00000020", "step_00000030", "step_00000080",
                                                                "step_00000100"]
@@ -127,9 +200,9 @@ def test_latest_and_pruning_follow_this_lineage_not_the_name_order(tmp_path):
 
 def test_latest_is_never_pruned_and_a_missing_one_falls_back(tmp_path):
     for step in (1, 2, 3):
-        checkpoint.save(tmp_path, step, _state(step), keep=1)
+        _save(tmp_path, step, keep=1)
     assert [p.name for p in checkpoint.complete(tmp_path)] == ["step_00000003"]
-    checkpoint.save(tmp_path, 4, _state(4), keep=2)
+    _save(tmp_path, 4, keep=2)
     # Someone deletes the checkpoint `latest` names: the previous one of the lineage is used, no dangling read.
     (tmp_path / "step_00000004" / "meta.json").unlink()
     assert checkpoint.pointed(tmp_path) is None
@@ -137,22 +210,24 @@ def test_latest_is_never_pruned_and_a_missing_one_falls_back(tmp_path):
 
 
 def test_a_checkpoint_of_another_lineage_is_never_overwritten(tmp_path):
-    checkpoint.save(tmp_path, 5, _state(5), keep=2)
+    _save(tmp_path, 5, keep=2)
     checkpoint.start_lineage(tmp_path)
     with pytest.raises(checkpoint.CheckpointWriteError, match=r"step_00000005 belongs to another run"):
-        checkpoint.save(tmp_path, 5, _state(5), keep=2)
-    assert checkpoint.load(tmp_path / "step_00000005")[0] == 5
+        _save(tmp_path, 5, keep=2, value=torch.zeros(3))
+    assert checkpoint.verify(tmp_path / "step_00000005") == 5
+    assert torch.equal(checkpoint.load_weights(tmp_path / "step_00000005")[2]["w"], torch.full((3,), 5.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "lineage.json", "step_00000005"]
 
 
 def test_disk_full_leaves_no_temporary_dir_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    checkpoint.save(tmp_path, 10, _state(10), keep=2)
+    _save(tmp_path, 10, keep=2)
 
     def full_disk(state, f):
         f.write(b"PK\x03\x04 the first bytes")
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(torch, "save", full_disk)
     with pytest.raises(checkpoint.CheckpointWriteError) as failure:
-        checkpoint.save(tmp_path, 20, _state(20), keep=2)
+        _save(tmp_path, 20, keep=2)
     message = str(failure.value)
     assert str(tmp_path / "step_00000020") in message and "No space left on device (ENOSPC)" in message
     assert "latest still names step_00000010" in message
@@ -161,7 +236,7 @@ def test_disk_full_leaves_no_temporary_dir_and_keeps_the_previous_checkpoint(tmp
 
 
 def test_a_writer_killed_mid_write_leaves_nothing_after_the_next_save(tmp_path, caplog):
-    checkpoint.save(tmp_path, 10, _state(10), keep=5)
+    _save(tmp_path, 10, keep=5)
     writer = subprocess.Popen([sys.executable, "-c", _WRITER_STUCK_MID_WRITE, str(tmp_path)], cwd=REPO,
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -170,22 +245,22 @@ def test_a_writer_killed_mid_write_leaves_nothing_after_the_next_save(tmp_path, 
         writer.send_signal(signal.SIGKILL)
         writer.wait(timeout=60)
     left = tmp_path / f".step_00000020.{writer.pid}.tmp"
-    assert (left / "state.pt").is_file()   # what the dead writer left: the previous checkpoint still loads
+    assert (left / "__0_0.distcp").is_file()   # what the dead writer left: the previous checkpoint still loads
     assert checkpoint.load_latest(tmp_path)[1] == 10
     with caplog.at_level("WARNING", logger="dflash"):
-        checkpoint.save(tmp_path, 30, _state(30), keep=5)
+        _save(tmp_path, 30, keep=5)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "lineage.json", "step_00000010", "step_00000030"]
     assert f"removing {left}: a checkpoint writer (pid {writer.pid}) died while writing it" in caplog.text
 
 
 def test_a_dead_writers_pointer_and_lineage_temporaries_go_too(tmp_path):
-    checkpoint.save(tmp_path, 10, _state(10), keep=5)
+    _save(tmp_path, 10, keep=5)
     dead = subprocess.Popen(["true"])
     dead.wait()
     for name in (f".latest.{dead.pid}.tmp", f".lineage.json.{dead.pid}.tmp"):
         (tmp_path / name).write_text("step_000")
     unrelated = tmp_path / "notes.txt"   # not a writer's temporary: never touched
     unrelated.write_text("mine")
-    checkpoint.save(tmp_path, 20, _state(20), keep=5)
+    _save(tmp_path, 20, keep=5)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "lineage.json", "notes.txt", "step_00000010",
                                                           "step_00000020"]

@@ -113,16 +113,23 @@ def trained(meta: dict) -> int:
     return meta["step"] * meta["stream"][_PER_STEP] if "stream" in meta else 0
 
 
-def _regrouped(meta: dict, now: dict, path: Path) -> None:
-    """Said once: the stream goes on where the checkpoint stopped, in steps of another size."""
-    split = [" x ".join(str(v) for v in side["split"].values()) for side in (meta, now)]
+def _resplit(meta: dict, now: dict, path: Path, evaluates: bool) -> None:
+    """Said once: what a resume at another split (drafter ranks x train.grad_accum) does not continue as
+    the checkpoint's run would have."""
+    saved, split = (" x ".join(str(v) for v in side.get("split", {}).values()) for side in (meta, now))
     before, after = meta["stream"][_PER_STEP], now["stream"][_PER_STEP]
-    log.warning("resuming from %s with %d micro-batches per step (drafter ranks x train.grad_accum = %s) where the "
-                "checkpoint trained %d (%s): the stream goes on at micro-batch %d, every micro-batch still trained "
-                "once and in order, but each optimiser step now averages %d of them, not %d (the learning-rate "
-                "schedule still counts steps), so the loss curve goes on as a run with this split would, not as "
-                "the checkpoint's; set train.grad_accum to keep %d per step", path, after, split[1], before,
-                split[0], trained(meta), after, before, before)
+    notes = []
+    if before != after:
+        notes.append(f"the stream goes on at micro-batch {trained(meta)}, every micro-batch still trained once and "
+                     f"in order, but each optimiser step now averages {after} of them, not {before} (the learning-rate "
+                     f"schedule still counts steps), so the loss curve goes on as a run of this split would; set "
+                     f"train.grad_accum to keep {before} per step")
+    ranks, saved_ranks = now["split"]["drafter ranks"], meta.get("split", {}).get("drafter ranks", ranks)
+    if evaluates and ranks != saved_ranks:
+        notes.append(f"held-out evaluations cover {ranks} x train.eval_batches micro-batches, not {saved_ranks} x")
+    if notes:
+        log.warning("resuming from %s at drafter ranks x train.grad_accum = %s where the checkpoint trained at %s: %s",
+                    path, split, saved or "another split", "; ".join(notes))
 
 
 def check(meta: dict, job: Job, path: Path) -> None:
@@ -141,8 +148,7 @@ def check(meta: dict, job: Job, path: Path) -> None:
         raise ResumeError(f"cannot resume from {path} at step {step}: {'; '.join(stream)}: the micro-batches after "
                           f"the checkpoint would not continue its data order (some samples trained twice, others "
                           f"never); resume with the checkpoint's values, or start fresh in another run.dir")
-    if meta["stream"][_PER_STEP] != now["stream"][_PER_STEP]:
-        _regrouped(meta, now, path)
+    _resplit(meta, now, path, job.schedule.eval_batches > 0)
     _check_data_files(meta, now, path, step)
     others = _changes(meta["config"], now["config"], skip=_PER_LAUNCH + tuple(now["model"]) + tuple(now["stream"]))
     if others:

@@ -53,8 +53,8 @@ class SeqLog:
         self._attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
     def write(self, verb: str, item) -> None:
-        self._file.write(f"{verb} {item.seq} step {item.step} kind {item.kind} drafter {item.drafter} "
-                         f"attempt {self._attempt}\n")
+        self._file.write(f"{verb} {item.seq} step {item.step} kind {item.kind} index {item.index} "
+                         f"drafter {item.drafter} attempt {self._attempt}\n")
 
     def close(self) -> None:
         self._file.close()
