@@ -1,4 +1,6 @@
 """Where a run starts (launcher/run_io/resume.py): checked resumes, one training history per run dir."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -20,24 +22,36 @@ def make_job(tiny_target_dir, tmp_path):
 
 
 def _trained(job, run_dir, step):
-    """What the lead drafter writes after `step` steps (the state itself does not matter here)."""
-    return checkpoint.save(run_dir / "checkpoints", step, {"step": step}, keep=2, record=resume.record(job))
+    """What the drafters write after `step` steps (the state itself does not matter here)."""
+    return checkpoint.save(run_dir / "checkpoints", step, [checkpoint.Piece.whole("model.w", torch.zeros(1))],
+                           {"step": step}, keep=2, record=resume.record(job, step))
 
 
 def _train_indices(job, start, stop):
     return [it.index for it in job.schedule.items(start) if it.kind == TRAIN and it.step < stop]
 
 
-def test_another_drafter_count_is_refused_naming_the_untrained_micro_batches(make_job, tmp_path):
+def test_another_drafter_count_goes_on_at_the_first_untrained_micro_batch_said_once(make_job, tmp_path, caplog):
     t1d2, t1d3 = make_job(drafters=2), make_job(drafters=3)
     _trained(t1d2, tmp_path, 20)
-    # The issue's failure: the t1d2 run trained micro-batches 0-39; resumed as t1d3 at step 20 the stream
-    # went on at micro-batch 60, so 40-59 were never trained.
     assert _train_indices(t1d2, 0, 20) == list(range(40))
-    assert _train_indices(t1d3, 20, 21)[0] == 60
-    with pytest.raises(ResumeError, match=r"micro-batches per step: checkpoint 2, now 3.*"
-                                          r"micro-batches 40-59 would never be trained"):
-        resume.choose(t1d3, tmp_path)
+    # The issue's failure: resumed as t1d3 at step 20 the stream went on at micro-batch 60 (3 per step), so
+    # 40-59 were never trained. Now it goes on at 40, 3 per step.
+    with caplog.at_level("WARNING", logger="dflash"):
+        point = resume.choose(t1d3, tmp_path)
+    assert (point.step, point.trained) == (20, 40)
+    resumed = dataclasses.replace(t1d3, schedule=t1d3.schedule.resumed_at(point.step, point.trained))
+    assert _train_indices(resumed, 20, 22) == list(range(40, 46))
+    assert [it.drafter for it in resumed.schedule.items(20) if it.kind == TRAIN][:3] == [0, 1, 2]
+    said = [r.getMessage() for r in caplog.records if "where the checkpoint trained at" in r.getMessage()]
+    assert len(said) == 1, said
+    assert ("at drafter ranks x train.grad_accum = 3 x 1 where the checkpoint trained at 2 x 1: the stream goes on at "
+            "micro-batch 40, every micro-batch still trained once and in order, but each optimiser step now averages "
+            "3 of them, not 2 (the learning-rate schedule still counts steps)") in said[0]
+    assert "held-out evaluations cover 3 x train.eval_batches micro-batches, not 2 x" in said[0]
+    # Its own checkpoints record where the stream is, so a second resume at yet another count goes on from there.
+    _trained(resumed, tmp_path / "second", 30)
+    assert resume.choose(make_job(drafters=1), tmp_path / "second").trained == 40 + 10 * 3
 
 
 def test_same_micro_batches_per_step_resume_and_other_changes_are_warned(make_job, tmp_path, caplog):
@@ -120,7 +134,7 @@ def test_explicit_resume_starts_a_lineage_and_its_restart_continues_it(make_job,
 
 def test_checkpoints_that_all_fail_to_load_are_not_silently_restarted(make_job, tmp_path):
     bad = _trained(make_job(), tmp_path, 20)
-    (bad / "state.pt").write_bytes(b"garbage")
+    (bad / ".metadata").write_bytes(b"garbage")
     with pytest.raises(ResumeError, match="holds checkpoints but none of them loads"):
         resume.choose(make_job(), tmp_path)
 

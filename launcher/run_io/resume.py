@@ -118,13 +118,14 @@ def _resplit(meta: dict, now: dict, path: Path, evaluates: bool) -> None:
     the checkpoint's run would have."""
     saved, split = (" x ".join(str(v) for v in side.get("split", {}).values()) for side in (meta, now))
     before, after = meta["stream"][_PER_STEP], now["stream"][_PER_STEP]
+    ranks = now["split"]["drafter ranks"]
     notes = []
     if before != after:
+        keep = (f"; train.grad_accum={before // ranks} keeps {before} per step" if before % ranks == 0 else "")
         notes.append(f"the stream goes on at micro-batch {trained(meta)}, every micro-batch still trained once and "
                      f"in order, but each optimiser step now averages {after} of them, not {before} (the learning-rate "
-                     f"schedule still counts steps), so the loss curve goes on as a run of this split would; set "
-                     f"train.grad_accum to keep {before} per step")
-    ranks, saved_ranks = now["split"]["drafter ranks"], meta.get("split", {}).get("drafter ranks", ranks)
+                     f"schedule still counts steps), so the loss curve goes on as a run of this split would{keep}")
+    saved_ranks = meta.get("split", {}).get("drafter ranks", ranks)
     if evaluates and ranks != saved_ranks:
         notes.append(f"held-out evaluations cover {ranks} x train.eval_batches micro-batches, not {saved_ranks} x")
     if notes:
