@@ -1,7 +1,8 @@
 """The drafter ranks' optimiser (launcher/distributed/sharded_adamw.py): over any number of ranks and
 micro-batches it makes torch's AdamW update on the summed gradients; bf16 compute copies are the fp32
-masters rounded; its checkpoints are torch AdamW's layout and load at another rank count."""
+masters rounded; each rank writes its own shard of a checkpoint, which loads at another rank count."""
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from launcher.distributed.sharded_adamw import ShardedAdamW
+from launcher.run_io import checkpoint
 
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 MULTIPLIER = 0.5
@@ -92,6 +94,20 @@ def _reference(steps: list[list[torch.Tensor]], skip_step: int | None = None,
     return net, adamw, norms
 
 
+def _whole(optimizer, kind: str) -> dict[str, torch.Tensor]:
+    """One rank's `kind` ("model", "exp_avg", "exp_avg_sq") of every weight, by name: its pieces are whole."""
+    shapes = {name: param.shape for name, param in optimizer.named}
+    return {piece.key.split(".", 1)[1]: piece.tensor.view(shapes[piece.key.split(".", 1)[1]])
+            for piece in optimizer.checkpoint_pieces(writing=True) if piece.key.startswith(f"{kind}.")}
+
+
+def _resume(path, net, optimizer, group=None) -> None:
+    """`optimizer` (over `net`) continues the checkpoint at `path`."""
+    checkpoint.read_pieces(path, optimizer.checkpoint_pieces(writing=False), group)
+    optimizer.loaded()
+    optimizer.load_state_dict(checkpoint.read_state(path)["optimizer"])
+
+
 def _assert_as_close_to_exact(got, torch_fp32, exact, what: str):
     """`got` and torch's result are the same fp32 arithmetic summed in orders that the CPU's BLAS picks
     (its blocking differs between CPU models), so neither equals the other bit for bit and a fixed
@@ -127,57 +143,51 @@ def test_one_rank_is_torch_adamw_on_the_summed_gradients(world_of_one, micro_bat
     _assert_as_close_to_exact(norms, torch_norms, exact_norms, "gradient norms")
     for (name, got), expected, truth in zip(net.named_parameters(), want.parameters(), exact.parameters()):
         _assert_as_close_to_exact(got, expected, truth, name)
-    saved = optimizer.state_dict()
-    assert len(saved["state"]) == len(list(net.parameters()))
+    assert optimizer.state_dict()["step"] == 2.0
+    moments = {key: _whole(optimizer, key) for key in ("exp_avg", "exp_avg_sq")}
     exact_state = exact_adamw.state_dict()["state"]
-    for index, state in adamw.state_dict()["state"].items():
-        assert float(saved["state"][index]["step"]) == float(state["step"]) == 2.0
+    for index, (name, _) in enumerate(net.named_parameters()):
+        state = adamw.state_dict()["state"][index]
+        assert float(state["step"]) == 2.0
         for key in ("exp_avg", "exp_avg_sq"):
-            _assert_as_close_to_exact(saved["state"][index][key], state[key], exact_state[index][key],
-                                      f"{key}[{index}]")
+            _assert_as_close_to_exact(moments[key][name], state[key], exact_state[index][key], f"{key}[{name}]")
     base = net.layers[0][0].weight.untyped_storage().data_ptr()
     assert net.layers[0][2].weight.untyped_storage().data_ptr() == base
 
 
 def test_bf16_compute_copies_are_the_rounded_masters(world_of_one):
     """With bf16 compute copies (trained under autocast) the model's matrices are bf16 and after every
-    update the fp32 masters rounded; the vectors stay fp32; model_state_dict gives the fp32 masters,
+    update the fp32 masters rounded; the vectors stay fp32; the checkpoint's pieces are the fp32 masters,
     finer than their copies."""
     net = _net()
     optimizer = _sharded(net, compute_dtype=torch.bfloat16)
     assert net.fc.weight.dtype == torch.bfloat16 and net.layers[0][0].bias.dtype == torch.float32
     _train(net, optimizer, [[x] for x in _inputs(3)], autocast=True)
-    masters = optimizer.model_state_dict()
+    masters = _whole(optimizer, "model")
     for name, param in net.named_parameters():
         assert masters[name].dtype == torch.float32
         assert torch.equal(param.detach(), masters[name].to(param.dtype)), name
     assert not torch.equal(masters["fc.weight"], masters["fc.weight"].bfloat16().float())   # fp32 precision kept
 
 
-def test_checkpoints_load_into_torch_adamw_and_back(world_of_one):
-    """state_dict() loads into torch's AdamW, and torch AdamW's (the DDP trainer's checkpoints) loads back:
-    the steps after either agree."""
-    inputs = _inputs(4)
+def test_a_checkpoint_resumes_to_the_same_next_step(world_of_one, tmp_path):
+    """Saved after two steps (bf16 copies: the fp32 masters are what is saved) and read into a drafter with
+    other weights, the third step is the one the saving optimiser makes, bit for bit."""
+    inputs = _inputs(3)
     net = _net()
-    optimizer = _sharded(net)
-    _train(net, optimizer, [[x] for x in inputs[:2]])
-    weights, state = optimizer.model_state_dict(), optimizer.state_dict()
-
-    theirs = _net()
-    theirs.load_state_dict(weights)
-    adamw = torch.optim.AdamW(theirs.parameters(), **HYPER)
-    adamw.load_state_dict(state)
+    optimizer = _sharded(net, compute_dtype=torch.bfloat16)
+    _train(net, optimizer, [[x] for x in inputs[:2]], autocast=True)
+    path = checkpoint.save(tmp_path, 2, optimizer.checkpoint_pieces(writing=True),
+                           {"step": 2, "optimizer": optimizer.state_dict()}, keep=1)
     ours = _net(seed=5)
-    resumed = _sharded(ours)
-    resumed.load_model_state_dict(weights)
-    resumed.load_state_dict(adamw.state_dict())
-    _train(ours, resumed, [[inputs[2]]])
-    _loss(theirs, inputs[2]).backward()
-    for p in theirs.parameters():
-        p.grad.mul_(MULTIPLIER)
-    adamw.step()
-    for got, want in zip(ours.parameters(), theirs.parameters()):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    resumed = _sharded(ours, compute_dtype=torch.bfloat16)
+    _resume(path, ours, resumed)
+    for model, opt in ((net, optimizer), (ours, resumed)):
+        _train(model, opt, [[inputs[2]]], autocast=True)
+    for (name, got), want in zip(ours.named_parameters(), net.parameters()):
+        assert torch.equal(got, want), name
+    for kind in checkpoint.KINDS:
+        assert all(torch.equal(a, b) for a, b in zip(_whole(resumed, kind).values(), _whole(optimizer, kind).values()))
 
 
 def test_a_weight_without_a_gradient_is_named(world_of_one):
@@ -195,7 +205,7 @@ RANK_CASES = [(1, False), (2, False), (1, True)]
 
 def _ranks_worker(rank: int, store_dir: str, world: int, out: str) -> None:
     """`world` ranks, each its own micro-batches of each step, per RANK_CASES: the weights of every rank
-    after three steps, and the checkpoint gathered on rank 0 after two."""
+    after three steps, and the checkpoint each rank writes its shard of after two (out/case<i>)."""
     dist.init_process_group("gloo", store=dist.FileStore(os.path.join(store_dir, "store"), world), rank=rank,
                             world_size=world)
     try:
@@ -211,15 +221,16 @@ def _ranks_worker(rank: int, store_dir: str, world: int, out: str) -> None:
             bucket = optimizer.buckets[0]
             assert 0 < bucket.hi - bucket.lo < bucket.compute.numel()   # a shard, not the whole bucket
             norms = _train(net, optimizer, steps[:2])
-            weights, state = optimizer.model_state_dict(), optimizer.state_dict()
-            assert (weights is None) == (state is None) == (rank != 0)
+            writer = checkpoint.Checkpointer(Path(out) / f"case{len(results)}", 1, dist.group.WORLD)
+            writer.save(2, optimizer.checkpoint_pieces(writing=True), {"step": 2, "optimizer": optimizer.state_dict()})
+            assert (writer.close() is None) == (rank != 0)   # the first rank publishes
             announced = _announced(net, optimizer)
             norms += _train(net, optimizer, steps[2:])
             in_flight = sorted(optimizer._gathering)
             optimizer.wait_for_weights()   # the last update's all-gathers, before the weights are read here
             assert not optimizer._gathering
             results.append({"weights": {n: p.detach().clone() for n, p in net.named_parameters()}, "norms": norms,
-                            "checkpoint": (weights, state), "announced": announced, "in_flight": in_flight})
+                            "announced": announced, "in_flight": in_flight})
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -238,11 +249,27 @@ def _announced(net, optimizer) -> list[tuple[str, list[int]]]:
     return calls
 
 
+def _resume_worker(rank: int, store_dir: str, world: int, path: str, out: str) -> None:
+    """`world` ranks continue the checkpoint at `path` for one step, each on its own input of
+    _inputs(world): every rank's weights."""
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(store_dir, "store"), world), rank=rank,
+                            world_size=world)
+    try:
+        net = _net(seed=7)
+        optimizer = _sharded(net)
+        _resume(path, net, optimizer, dist.group.WORLD)
+        _train(net, optimizer, [[_inputs(world)[rank]]])
+        optimizer.wait_for_weights()
+        torch.save({n: p.detach().clone() for n, p in net.named_parameters()}, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_ranks_make_the_update_of_one_rank_on_all_their_micro_batches(tmp_path, world_of_one):
     """Two ranks with sharded masters and moments, one or two micro-batches each, collectives direct or
     through host copies: every rank ends with the same weights, those of one rank training on both ranks'
-    micro-batches (and of torch's AdamW); the checkpoint gathered after two steps resumes on one rank to
-    the same third step."""
+    micro-batches (and of torch's AdamW); the checkpoint both ranks write their shard of after two steps
+    resumes on one rank to the same third step, and on three ranks to the one rank's."""
     mp.spawn(_ranks_worker, args=(str(tmp_path), 2, str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for case, (micro_batches, _) in enumerate(RANK_CASES):
@@ -268,14 +295,32 @@ def test_ranks_make_the_update_of_one_rank_on_all_their_micro_batches(tmp_path, 
         _assert_as_close_to_exact(first["norms"], torch_norms, exact_norms, f"{RANK_CASES[case]}: gradient norms")
         _assert_as_close_to_exact(norms, torch_norms, exact_norms, "one rank: gradient norms")
 
-        weights, state = first["checkpoint"]
+        path = tmp_path / f"case{case}" / "step_00000002"
+        # Each rank wrote its own shard: one file per rank, the vectors (which every rank holds) by the first.
+        assert sorted(p.name for p in path.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json",
+                                                          "trainer.json"]
         resumed_net = _net(seed=7)
         resumed = _sharded(resumed_net)
-        resumed.load_model_state_dict(weights)
-        resumed.load_state_dict(state)
+        _resume(path, resumed_net, resumed)
         _train(resumed_net, resumed, steps[2:])
         for (name, got), expected, truth in zip(resumed_net.named_parameters(), want.parameters(), exact.parameters()):
             _assert_as_close_to_exact(got, expected, truth, f"{RANK_CASES[case]} resumed on one rank: {name}")
+
+    # Three ranks (other shard boundaries, inside other weights) read the two ranks' checkpoint.
+    path = tmp_path / "case0" / "step_00000002"
+    (tmp_path / "three").mkdir()
+    mp.spawn(_resume_worker, args=(str(tmp_path / "three"), 3, str(path), str(tmp_path / "three")), nprocs=3,
+             join=True)
+    three = [torch.load(tmp_path / "three" / f"rank{r}.pt") for r in range(3)]
+    one_net = _net(seed=7)
+    one = _sharded(one_net)
+    _resume(path, one_net, one)
+    _train(one_net, one, [_inputs(3)])
+    for name, param in one_net.named_parameters():
+        assert torch.equal(three[0][name], three[1][name]) and torch.equal(three[0][name], three[2][name]), name
+        # The same fp32 sums of three gradients, reduced over three ranks or accumulated on one: another
+        # order, a few fp32 roundings of values of order 1 apart (1e-6 is ten of them).
+        torch.testing.assert_close(three[0][name], param.detach(), rtol=0, atol=1e-6, msg=name)
 
 
 @pytest.mark.gpu
@@ -304,7 +349,7 @@ def test_on_cuda_bf16_copies_train_as_the_fp32_drafter_under_autocast(world_of_o
                              dtype=torch.bfloat16)
         anchors = torch.randint(0, 255, (1, 16), generator=gen, device="cuda").sort(1).values
         keep = torch.ones_like(anchors, dtype=torch.bool)
-        fp32.load_state_dict(optimizer.model_state_dict())
+        fp32.load_state_dict(_whole(optimizer, "model"))
         for model in (fp32, ours):
             torch.cuda.set_sync_debug_mode("error" if step and model is ours else "default")
             try:
@@ -331,7 +376,7 @@ def test_on_cuda_bf16_copies_train_as_the_fp32_drafter_under_autocast(world_of_o
         adamw.step()
         optimizer.zero_grad()
         fp32.zero_grad()
-    masters = optimizer.model_state_dict()
+    masters = {name: value.cpu() for name, value in _whole(optimizer, "model").items()}
     for (name, mine), theirs in zip(ours.named_parameters(), reference):
         torch.testing.assert_close(masters[name], theirs.detach().cpu(), rtol=0, atol=1e-6)
         assert torch.equal(mine.detach().cpu(), masters[name].to(mine.dtype)), name
