@@ -1,9 +1,12 @@
-"""Drafter configs the tests share (a small one to vary, and the production Qwen3-8B shape), and the
-step settings a test's drafter trains with."""
+"""Drafter configs the tests share (a small one to vary, and the production Qwen3-8B shape), the
+step settings a test's drafter trains with, and a checkpoint of a drafter's weights."""
+import dataclasses
+
 from dflash_core.drafter.model import DrafterConfig
 from dflash_core.loss.settings import StepSettings
 from launcher.config.schema import DrafterSettings
 from launcher.resolve import step_settings as resolved_step_settings
+from launcher.run_io import checkpoint
 
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
              intermediate_size=48, vocab_size=50, block_size=4, target_layer_ids=[0, 1], num_target_layers=2,
@@ -27,3 +30,12 @@ def step_settings(drafter, *, backend: str = "sdpa", compiled: bool = False, **k
     """The config's default step settings (launcher/config/schema.py) for `drafter`'s block size, as
     launcher/resolve.py builds them, with drafter.* `keys` overridden (sdpa, eager by default)."""
     return resolved_step_settings(DrafterSettings(block_size=drafter.config.block_size, **keys), backend, compiled)
+
+
+def save_drafter_checkpoint(root, drafter, step: int, keep: int = 2):
+    """A checkpoint of `drafter`'s weights at `step` in `root`, as one drafter rank writes it (what
+    launcher.export and launcher.evaluate read of a checkpoint)."""
+    weights = drafter.state_dict()
+    pieces = [checkpoint.Piece.whole(f"model.{name}", value) for name, value in weights.items()]
+    return checkpoint.save(root, step, pieces, {"step": step, "drafter_config": dataclasses.asdict(drafter.config),
+                            "shapes": {name: list(value.shape) for name, value in weights.items()}}, keep)

@@ -2,7 +2,6 @@
 pruned under a reader, and a drafter evaluated with a target it was not trained for: each entry point
 names the file or the mismatch, with no traceback and no earlier result replaced (issues 31 and 33;
 docs/bad_input.md)."""
-import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -26,7 +25,7 @@ from launcher.config import compose_config
 from launcher.distributed.topology import Topology
 from launcher.resolve import resolve
 from launcher.run_io import checkpoint
-from tests.drafters import drafter_config
+from tests.drafters import drafter_config, save_drafter_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -43,11 +42,6 @@ def fitting_drafter(tiny_target_dir):
     config = AutoConfig.from_pretrained(tiny_target_dir)
     mask_id = first_unused_token_id(AutoTokenizer.from_pretrained(tiny_target_dir), config)
     return DFlashDrafter(drafter_config_for_target(config, num_layers=1, block_size=4, mask_token_id=mask_id), seed=0)
-
-
-def save_checkpoint(root: Path, drafter, step: int, keep: int = 2) -> Path:
-    state = {"step": step, "model": drafter.state_dict(), "drafter_config": dataclasses.asdict(drafter.config)}
-    return checkpoint.save(root, step, state, keep=keep)
 
 
 def failure(capsys, run, name: str, args: list[str]) -> str:
@@ -102,9 +96,9 @@ def _drop_dflash_config(export: Path) -> tuple[Path, str]:
 
 
 def _truncated_checkpoint(export: Path) -> tuple[Path, str]:
-    ckpt = save_checkpoint(export.parent / "checkpoints", evaluate.load_drafter(export), step=3)
-    truncate(ckpt / "state.pt")
-    return ckpt, f"{ckpt / 'state.pt'}: not a readable torch file"
+    ckpt = save_drafter_checkpoint(export.parent / "checkpoints", evaluate.load_drafter(export), step=3)
+    truncate(ckpt / "__0_0.distcp")
+    return ckpt, f"{ckpt / '__0_0.distcp'}: cut short"
 
 
 @pytest.mark.parametrize("breakage", [_break_weights, _break_config, _drop_dflash_config, _truncated_checkpoint])
@@ -118,10 +112,10 @@ def test_evaluate_names_the_broken_drafter_file(tmp_path, tiny_target_dir, fitti
 
 def test_export_names_a_truncated_checkpoint_file(tmp_path, fitting_drafter, capsys):
     """Issue 33: `RuntimeError: PytorchStreamReader failed`, no path."""
-    ckpt = save_checkpoint(tmp_path / "run" / "checkpoints", fitting_drafter, step=3)
-    truncate(ckpt / "state.pt")
+    ckpt = save_drafter_checkpoint(tmp_path / "run" / "checkpoints", fitting_drafter, step=3)
+    truncate(ckpt / "__0_0.distcp")
     err = failure(capsys, export_cli.run, "export", [f"export.checkpoint={ckpt}", f"export.out={tmp_path / 'out'}"])
-    assert f"BadFileError: {ckpt / 'state.pt'}: not a readable torch file" in err
+    assert f"BadFileError: {ckpt / '__0_0.distcp'}: cut short" in err
     assert not (tmp_path / "out").exists()
 
 
@@ -129,19 +123,19 @@ def test_export_names_a_truncated_checkpoint_file(tmp_path, fitting_drafter, cap
 def test_export_of_a_checkpoint_pruned_meanwhile_says_so(tmp_path, fitting_drafter, capsys, monkeypatch, when):
     """Issue 31: `not a complete checkpoint (no meta.json)` for a checkpoint the running job pruned."""
     root = tmp_path / "run" / "checkpoints"
-    ckpt = save_checkpoint(root, fitting_drafter, step=3)
-    save_checkpoint(root, fitting_drafter, step=4)
+    ckpt = save_drafter_checkpoint(root, fitting_drafter, step=3)
+    save_drafter_checkpoint(root, fitting_drafter, step=4)
     if when == "before the export":
         shutil.rmtree(ckpt)
     elif when == "while it starts":   # the job's rmtree is under way: meta.json gone, the directory not yet
         (ckpt / "meta.json").unlink()
     else:
-        read = checkpoint.load_torch
+        read = checkpoint.read_dcp_metadata
 
-        def pruned_first(path, **kwargs):
+        def pruned_first(path):
             shutil.rmtree(ckpt)   # what the job's next save does to its older checkpoints
-            return read(path, **kwargs)
-        monkeypatch.setattr(checkpoint, "load_torch", pruned_first)
+            return read(path)
+        monkeypatch.setattr(checkpoint, "read_dcp_metadata", pruned_first)
     err = failure(capsys, export_cli.run, "export", [f"export.checkpoint={ckpt}", f"export.out={tmp_path / 'out'}"])
     said = {"before the export": "no such directory: ", "while it starts": "not a complete checkpoint (no meta.json): ",
             "while it reads": "was removed while being read: "}[when]
@@ -168,7 +162,7 @@ def test_evaluate_refuses_a_drafter_trained_for_another_target(tmp_path, tiny_ta
     """Issue 33: a tiny-Qwen3 export evaluated with target=tiny_llama ran without a word (tau 1.000) and
     replaced the earlier result for the right target; even evaluate.overwrite=true keeps it now."""
     if recorded == "checkpoint":   # its run's config.yaml records the target
-        drafter = save_checkpoint(tmp_path / "run" / "checkpoints", fitting_drafter, step=3)
+        drafter = save_drafter_checkpoint(tmp_path / "run" / "checkpoints", fitting_drafter, step=3)
         (tmp_path / "run" / "config.yaml").write_text(f"target:\n  path: {tiny_target_dir}\n")
     else:
         drafter = tmp_path / "export"

@@ -14,8 +14,7 @@ from dflash_core.serving.finite import NonFiniteError
 from launcher import export as export_cli
 from launcher.cli import run_main
 from launcher.evaluate import load_drafter
-from launcher.run_io import checkpoint
-from tests.drafters import drafter_config
+from tests.drafters import drafter_config, save_drafter_checkpoint
 
 
 def drafter_to_export():
@@ -149,8 +148,7 @@ def snapshot(path):
 def run_with_checkpoint(tmp_path):
     run = tmp_path / "run"
     drafter = drafter_to_export()
-    state = {"step": 3, "model": drafter.state_dict(), "drafter_config": dataclasses.asdict(drafter.config)}
-    ckpt = checkpoint.save(run / "checkpoints", 3, state, keep=2)
+    ckpt = save_drafter_checkpoint(run / "checkpoints", drafter, 3)
     (run / "config.yaml").write_text("target:\n  path: /models/tiny\ndata:\n  paths: [a.jsonl]\n")
     (run / "metrics.jsonl").write_text('{"step": 3}\n')
     return run, ckpt
@@ -256,8 +254,7 @@ def test_evaluate_refuses_non_finite_weights(tmp_path):
     export_drafter(drafter_to_export(), tmp_path / "export")
     rewrite_weights(tmp_path / "export", lambda t: t["norm.weight"].fill_(float("inf")))
     drafter = diverged_drafter()
-    state = {"step": 1, "model": drafter.state_dict(), "drafter_config": dataclasses.asdict(drafter.config)}
-    ckpt = checkpoint.save(tmp_path / "checkpoints", 1, state, keep=1)
+    ckpt = save_drafter_checkpoint(tmp_path / "checkpoints", drafter, 1, keep=1)
     for path, name in ((tmp_path / "export", "norm.weight"), (ckpt, "layers.1.mlp.up_proj.weight")):
         with pytest.raises(NonFiniteError, match=rf"evaluate.drafter='{path}': parameter '{name}'"):
             load_drafter(path)

@@ -21,9 +21,13 @@ def test_t1d2_end_to_end(tmp_path, tiny_target_dir):
                     *tiny_overrides(tmp_path, tiny_target_dir))
     assert proc.returncode == 0, proc.stderr[-4000:]
     for name in ("config.yaml", "provenance.json", "metrics.jsonl", "summary.json", "logs/target0.log",
-                 "logs/drafter1.log", "logs/drafter2.log", "checkpoints/latest", "checkpoints/step_00000008/state.pt",
-                 "export/config.json", "export/model.safetensors"):
+                 "logs/drafter1.log", "logs/drafter2.log", "checkpoints/latest", "export/config.json",
+                 "export/model.safetensors"):
         assert (run_dir / name).exists(), name
+    # Each drafter wrote its own shard of the checkpoint (DCP's __<rank>_0.distcp), the lead the rest.
+    checkpoint = run_dir / "checkpoints" / "step_00000008"
+    assert sorted(p.name for p in checkpoint.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json",
+                                                            "trainer.json"]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     tags = set()
     for events in (run_dir / "tensorboard").glob("events.out.tfevents.*"):

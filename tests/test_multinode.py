@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from launcher.run_io import checkpoint
 from tests.launching import REPO, tiny_overrides, torchrun
 
 pytestmark = pytest.mark.multiproc
@@ -27,7 +28,7 @@ def _agent(node_rank: int, port: int, overrides: list[str]) -> subprocess.Popen:
 
 
 def _weights(run_dir):
-    return torch.load(run_dir / "checkpoints" / "step_00000006" / "state.pt", weights_only=True)["model"]
+    return checkpoint.load_weights(run_dir / "checkpoints" / "step_00000006")[2]
 
 
 def test_two_agents_match_one_agent(tmp_path, tiny_target_dir):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.run_io import lock
+from launcher.run_io import checkpoint, lock
 from tests.launching import seq_lines, start_torchrun, tiny_overrides, torchrun, wait_for, worker_pids
 
 pytestmark = pytest.mark.multiproc
@@ -19,7 +19,7 @@ STEPS = 6
 
 
 def _final_weights(run_dir):
-    return torch.load(run_dir / "checkpoints" / f"step_{STEPS:08d}" / "state.pt", weights_only=True)["model"]
+    return checkpoint.load_weights(run_dir / "checkpoints" / f"step_{STEPS:08d}")[2]
 
 
 def test_killed_then_relaunched_run_matches_straight_run_bitwise(tmp_path, tiny_target_dir):
@@ -83,7 +83,7 @@ def test_non_finite_steps_are_skipped_then_stop_every_drafter(tmp_path, tiny_tar
         assert (f"[drafter{rank}] ERROR failed: NonFiniteError: 2 consecutive non-finite steps, the last at step 5 "
                 f"on rank {rank} (run.max_bad_steps=2)") in proc.stderr
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_00000002", "step_00000004"]
-    weights = torch.load(run_dir / "checkpoints" / "step_00000004" / "state.pt", weights_only=True)["model"]
+    weights = checkpoint.load_weights(run_dir / "checkpoints" / "step_00000004")[2]
     assert all(torch.isfinite(value).all() for value in weights.values())
 
 
@@ -125,13 +125,13 @@ def test_one_job_per_run_dir_orphans_stale_locks_and_checked_resumes(tmp_path, t
     assert (run_dir / "checkpoints" / "latest").read_text() == "step_00000003"
     config = (run_dir / "config.yaml").read_text()
 
-    # The dead job's lock is stale (taken over); resuming its t1d1 checkpoint as t1d2 is refused: at step 3
-    # it had trained micro-batches 0-2, and with 2 per step the stream would go on at 6.
-    third = torchrun(3, "topology=t1d2", "train.steps=100000", *common, timeout=120)
+    # The dead job's lock is stale (taken over); resuming its checkpoint with another micro-batch size is
+    # refused: the stream would not continue its data order.
+    third = torchrun(2, "topology=t1d1", "train.steps=100000", "train.micro_batch_size=2", *common, timeout=120)
     assert third.returncode != 0
     assert f"taking over the lock of host {holder['host']} pid {holder['pid']}" in third.stderr
-    assert "micro-batches per step: checkpoint 1, now 2" in third.stderr
-    assert "micro-batches 3-5 would never be trained" in third.stderr
+    assert "train.micro_batch_size: checkpoint 4, now 2" in third.stderr
+    assert "would not continue its data order" in third.stderr
 
     # train.steps at or below the checkpoint's step: nothing to train, exit 0, and the lock is released.
     fourth = torchrun(2, "topology=t1d1", "train.steps=3", *common, timeout=120)

@@ -16,8 +16,7 @@ from dflash_core.serving.speculative import DrafterCache, greedy_decode, specula
 from dflash_core.target.families import drafter_config_for_target
 from dflash_core.target.tiny import first_unused_token_id
 from launcher.evaluate import load_drafter
-from launcher.run_io import checkpoint
-from tests.drafters import drafter_config
+from tests.drafters import drafter_config, save_drafter_checkpoint
 from tests.launching import REPO
 
 BLOCK_SIZE = 8
@@ -140,8 +139,7 @@ def test_cached_context_equals_the_model_forward(layer_types):
 
 def test_load_drafter_reads_exports_and_checkpoints(tmp_path, drafter):
     export_drafter(drafter, tmp_path / "export", dtype=torch.float32)
-    state = {"step": 3, "model": drafter.state_dict(), "drafter_config": vars(drafter.config)}
-    ckpt = checkpoint.save(tmp_path / "checkpoints", 3, state, keep=1)
+    ckpt = save_drafter_checkpoint(tmp_path / "checkpoints", drafter, 3, keep=1)
     for path in (tmp_path / "export", ckpt):
         loaded = load_drafter(path)
         assert loaded.config == drafter.config

@@ -34,7 +34,6 @@ import dataclasses
 import errno
 import json
 import logging
-import math
 import os
 import random
 import re
