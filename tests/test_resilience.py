@@ -43,6 +43,49 @@ def test_killed_then_relaunched_run_matches_straight_run_bitwise(tmp_path, tiny_
         assert torch.equal(a[key], b[key]), key
 
 
+def _train_losses(run_dir) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+def test_a_t1d2_checkpoint_resumes_at_t1d1_and_at_t1d4(tmp_path, tiny_target_dir):
+    """The drafters' shards of a t1d2 checkpoint, read at another drafter count. At t1d1 with
+    train.grad_accum=2 (the same two micro-batches a step) the run goes on as the uninterrupted t1d2 run: its
+    losses and final weights are that run's within fp32 rounding. At t1d4 (four a step, said once) it goes on
+    at the first micro-batch the checkpoint did not train, each trained once, and four shards are written."""
+    common = [f"train.steps={STEPS}", "run.checkpoint_every=3", "train.eval_every=0", "run.log_every=1",
+              *tiny_overrides(tmp_path, tiny_target_dir)]
+    straight = tmp_path / "straight"
+    ran = torchrun(3, "topology=t1d2", *common, f"run.dir={straight}")
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    source = straight / "checkpoints" / "step_00000003"
+
+    one = tmp_path / "t1d1"
+    ran = torchrun(2, "topology=t1d1", "train.grad_accum=2", *common, f"run.dir={one}", f"run.resume={source}")
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "resuming at step 3" in ran.stderr and "the stream goes on" not in ran.stderr
+    # One rank accumulating both micro-batches' gradients, or two ranks reducing them, sums the same fp32
+    # values in another order: the weights move apart by a few fp32 roundings (~1e-7 of values of order 1),
+    # which moves a loss of ~5 by far less than 1e-5 of it.
+    want, got = _train_losses(straight), _train_losses(one)
+    assert sorted(got) == [4, 5, 6]
+    for step in got:
+        assert got[step] == pytest.approx(want[step], rel=1e-5), step
+    a, b = _final_weights(straight), _final_weights(one)
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-6, msg=key)
+
+    four = tmp_path / "t1d4"
+    ran = torchrun(5, "topology=t1d4", *common, f"run.dir={four}", f"run.resume={source}")
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    said = [line for line in ran.stderr.splitlines() if "where the checkpoint trained at 2 x 1" in line]
+    assert len(said) == 1 and "the stream goes on at micro-batch 6" in said[0], said
+    trained = sorted(line["index"] for line in seq_lines(four, "trained"))
+    assert trained == list(range(6, 6 + 3 * 4))   # steps 4-6, four a step, each micro-batch once
+    final = four / "checkpoints" / f"step_{STEPS:08d}"
+    assert sorted(p.name for p in final.glob("__*")) == [f"__{rank}_0.distcp" for rank in range(4)]
+
+
 def test_sigkilled_drafter_recovers_under_max_restarts(tmp_path, tiny_target_dir):
     run_dir = tmp_path / "run"
     proc = torchrun(3, "topology=t1d2", "train.steps=8", "run.checkpoint_every=2", "train.eval_every=0",
