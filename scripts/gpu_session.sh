@@ -10,6 +10,7 @@
 #   bash scripts/gpu_session.sh warm-start                           (t1d2 at the 8B shape on one GPU: the second
 #                                                                      drafter compiles from the first one's artefacts)
 #   bash scripts/gpu_session.sh adamw                                (AdamW variants against the HBM floor)
+#   bash scripts/gpu_session.sh checkpoint-save                      (steps around a save at the 8B drafter, t1d1)
 #   bash scripts/gpu_session.sh flex-tiles                           (flex alone on the real mask: Triton tiles, FLASH)
 #   BENCH_ARGS="--set drafter.backend=flash" bash scripts/gpu_session.sh drafter   (the flash kernels: pack_flash.sh)
 #     Prepare the older tree first: mkdir -p ab/base && git archive <ref> | tar -x -C ab/base (ab/ is gitignored).
@@ -93,6 +94,8 @@ for s in "$@"; do case $s in
                 --out "$out_dir/warm_start.json"
               grep -h "warm-up compiled" /tmp/ws/e2e-full/logs/*.log ;;
   adamw) stage adamw timeout $(left 150) python3 scripts/adamw_bench.py --out "$out_dir/adamw.json" ;;
+  checkpoint-save) stage checkpoint_save timeout $(left 400) python3 scripts/time_checkpoint_save.py \
+                     /tmp/checkpoint-save && cp /tmp/checkpoint-save/checkpoint_save.json "$out_dir/" ;;
   flex-tiles) stage flex_tiles timeout $(left 300) python3 scripts/flex_tiles.py --configs default,flash \
                 --out "$out_dir/flex_tiles.json" ;;
   gpu-tests) stage gpu_tests timeout $(left 400) python3 -m pytest -q -s -p no:cacheprovider -m gpu ${GPU_TESTS:-tests} ;;
