@@ -264,3 +264,21 @@ def test_a_dead_writers_pointer_and_lineage_temporaries_go_too(tmp_path):
     _save(tmp_path, 20, keep=5)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "lineage.json", "notes.txt", "step_00000010",
                                                           "step_00000020"]
+
+
+def test_the_save_timing_script_runs_at_a_tiny_shape(tmp_path, tiny_target_dir, capsys):
+    """scripts/time_checkpoint_save.py, which times steps around a save at the 8B drafter on a GPU, on the
+    CPU at the tiny shape: one rank writes the whole state (fp32 master and two moments per weight)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("time_checkpoint_save", REPO / "scripts" / "time_checkpoint_save.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main([str(tmp_path), "--tiny", "--tokenizer", str(tiny_target_dir), "--warmup", "1", "--steps", "2",
+                 "--after", "2"])
+    result = json.loads((tmp_path / "checkpoint_save.json").read_text())
+    assert result["state_bytes"] == 12 * result["params"]
+    assert result["checkpoint_bytes"] > result["bytes_per_rank"]["0"] >= result["state_bytes"]
+    assert len(result["step_s"]["all"]) == 2 and len(result["async"]["after_steps_s"]) == 2
+    assert result["async"]["background_write_s"] >= result["async"]["save_call_s"] > 0
+    assert "lost to a save: synchronous" in capsys.readouterr().out
+    assert not (tmp_path / "checkpoints").exists()   # ~12 GB each at the 8B shape: removed unless --keep
