@@ -5,6 +5,8 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -251,6 +253,87 @@ def test_a_writer_killed_mid_write_leaves_nothing_after_the_next_save(tmp_path, 
         _save(tmp_path, 30, keep=5)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "lineage.json", "step_00000010", "step_00000030"]
     assert f"removing {left}: a checkpoint writer (pid {writer.pid}) died while writing it" in caplog.text
+
+
+def test_a_save_returns_before_its_write_and_appears_only_once_written(tmp_path, monkeypatch):
+    _save(tmp_path, 10, keep=3)
+    writing, release = threading.Event(), threading.Event()
+    save = torch.save
+
+    def slow_disk(value, file):   # DCP's writer thread, stopped in its write until released
+        writing.set()
+        release.wait(timeout=60)
+        save(value, file)
+    monkeypatch.setattr(torch, "save", slow_disk)
+    writer = checkpoint.Checkpointer(tmp_path, keep=3)
+    weight = torch.full((3,), 20.0)
+    writer.save(20, [Piece.whole("model.w", weight)], {"step": 20, "drafter_config": {}, "shapes": {"w": [3]}})
+    weight.fill_(-1.0)   # the training step after the save changes the state: the save holds its own copy
+    assert writing.wait(timeout=60)
+    # Written meanwhile, not yet published: readers see the previous checkpoint.
+    assert checkpoint.load_latest(tmp_path) == (tmp_path / "step_00000010", 10)
+    assert not (tmp_path / "step_00000020").exists()
+    release.set()
+    assert writer.close() == tmp_path / "step_00000020"
+    assert checkpoint.load_latest(tmp_path)[1] == 20
+    assert torch.equal(checkpoint.load_weights(tmp_path / "step_00000020")[2]["w"], torch.full((3,), 20.0))
+
+
+# One of two ranks (argv: rank, checkpoints dir, store file): both save step 10, then step 20, in which rank 1
+# stops for good in its write (the test kills it); rank 0 writes what its save of step 20 came to.
+_RANK_STUCK_MID_SAVE = """
+import datetime, os, sys, time
+from pathlib import Path
+import torch, torch.distributed as dist
+from launcher.run_io import checkpoint
+rank, root = int(sys.argv[1]), Path(sys.argv[2])
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[3], 2), rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+writer = checkpoint.Checkpointer(root, 3, dist.group.WORLD)
+pieces = [checkpoint.Piece("model.w", 4, 2 * rank, torch.full((2,), float(rank)))]
+state = {"step": 10, "drafter_config": {}, "shapes": {"w": [4]}}
+writer.save(10, pieces, state)
+writer.wait()
+if rank == 1:
+    def stuck(value, file):
+        file.write(b"PK\\x03\\x04 the first bytes")
+        file.flush()
+        (root / "rank1-writing").touch()
+        time.sleep(600)
+    torch.save = stuck
+writer.save(20, pieces, {**state, "step": 20})
+try:
+    writer.wait()
+    outcome = "published"
+except checkpoint.CheckpointWriteError as exc:
+    outcome = str(exc)
+(root / f"rank{rank}-outcome").write_text(outcome)
+os._exit(0)   # the peer is gone: no teardown of the process group
+"""
+
+
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_latest(tmp_path):
+    root = tmp_path / "checkpoints"
+    ranks = [subprocess.Popen([sys.executable, "-c", _RANK_STUCK_MID_SAVE, str(rank), str(root),
+                               str(tmp_path / "store")], cwd=REPO) for rank in (0, 1)]
+    try:
+        deadline = time.monotonic() + 120
+        while not (root / "rank1-writing").exists():
+            assert time.monotonic() < deadline and ranks[1].poll() is None, "rank 1 never wrote"
+            time.sleep(0.1)
+        ranks[1].send_signal(signal.SIGKILL)
+        assert ranks[0].wait(timeout=120) == 0
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+                rank.wait()
+    outcome = (root / "rank0-outcome").read_text()
+    assert outcome.startswith(f"could not write checkpoint {root / 'step_00000020'}") and \
+        "latest still names step_00000010 and no temporary files were left" in outcome, outcome
+    assert (root / "latest").read_text() == "step_00000010"
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith((".", "step_"))) == ["step_00000010"]
+    assert torch.equal(checkpoint.load_weights(root / "step_00000010")[2]["w"], torch.tensor([0.0, 0, 1, 1]))
 
 
 def test_a_dead_writers_pointer_and_lineage_temporaries_go_too(tmp_path):

@@ -105,12 +105,13 @@ def _recorded(record: dict, key: str) -> str:
     return repr(record[key]) if key in record else "no such setting"
 
 
-def trained(meta: dict) -> int:
-    """The training micro-batches the lineage of a checkpoint's meta.json consumed (recorded since runs may
-    change the micro-batches per step; before, every step consumed the same number)."""
+def trained(meta: dict, per_step: int) -> int:
+    """The training micro-batches the lineage of a checkpoint's meta.json consumed. Recorded since runs may
+    change the micro-batches per step; before, every step consumed the same number: the checkpoint's, or
+    where it records none, this run's `per_step`."""
     if _TRAINED in meta:
         return meta[_TRAINED]
-    return meta["step"] * meta["stream"][_PER_STEP] if "stream" in meta else 0
+    return meta["step"] * meta.get("stream", {}).get(_PER_STEP, per_step)
 
 
 def _resplit(meta: dict, now: dict, path: Path, evaluates: bool) -> None:
@@ -122,7 +123,7 @@ def _resplit(meta: dict, now: dict, path: Path, evaluates: bool) -> None:
     notes = []
     if before != after:
         keep = (f"; train.grad_accum={before // ranks} keeps {before} per step" if before % ranks == 0 else "")
-        notes.append(f"the stream goes on at micro-batch {trained(meta)}, every micro-batch still trained once and "
+        notes.append(f"the stream goes on at micro-batch {trained(meta, after)}, every micro-batch still trained once and "
                      f"in order, but each optimiser step now averages {after} of them, not {before} (the learning-rate "
                      f"schedule still counts steps), so the loss curve goes on as a run of this split would{keep}")
     saved_ranks = meta.get("split", {}).get("drafter ranks", ranks)
@@ -215,4 +216,4 @@ def choose(job: Job, run_dir: Path, launch: Launch = Launch()) -> ResumePoint:
     if step >= job.train.steps:
         finished = (f"the checkpoint {path} is at step {step} and train.steps={job.train.steps}: nothing to "
                     f"train (raise train.steps to train further)")
-    return ResumePoint(step, str(path), finished, trained(meta))
+    return ResumePoint(step, str(path), finished, trained(meta, job.schedule.train_per_step))
