@@ -16,7 +16,7 @@ from dflash_core.serving.model_card import INIT_FROM, TARGET_IDENTITY, target_id
 from launcher.context import Context
 from launcher.distributed.channel import Receiver
 from launcher.distributed.isolation import CompileShare, source_digest
-from launcher.roles.fault import maybe_fail, poisons
+from launcher.roles.fault import maybe_fail, poisons, strikes
 from launcher.roles.run_stats import RunStats
 from launcher.roles.trainer import DrafterTrainer, LaunchedStep
 from launcher.run_io import checkpoint, resume
@@ -136,10 +136,48 @@ class _Books:
                                       "skipped_steps": self.stats.skipped, **summary}, self.stats.window_rates)
 
 
+def _train(ctx: Context, trainer: DrafterTrainer, receiver: Receiver, books: _Books,
+           checkpoints: checkpoint.Checkpointer, compile_s: float | None) -> float | None:
+    """The steps: receive, train, book, evaluate and checkpoint on schedule -> seconds of compiling."""
+    job, sched, fault = ctx.job, ctx.job.schedule, ctx.job.fault
+    lead = ctx.rank == ctx.topo.lead_drafter
+    for step in range(ctx.start_step, job.train.steps):
+        if strikes(fault, step):   # test-only (launcher/roles/fault.py)
+            checkpoints.settle()
+        maybe_fail(fault, ctx.rank, step)
+        t0 = time.perf_counter()
+        payloads = [next(receiver) for _ in range(sched.grad_accum)]
+        t1 = time.perf_counter()
+        batches = [p.batch for p in payloads]
+        if poisons(fault, ctx.rank, step):
+            batches = [dataclasses.replace(b, hidden=torch.full_like(b.hidden, float("nan"))) for b in batches]
+        books.queue(_InFlight(step, trainer.train_step(batches), payloads, t1 - t0,
+                              trainer.scheduler.get_last_lr()[0]))
+        if step == ctx.start_step:
+            books.flush()
+            compile_s = time.perf_counter() - t1 if compile_s is None else compile_s
+            log.info("first step took %.1fs; graphs compiled so far: %d", time.perf_counter() - t1, compile_count())
+        done = step + 1
+        saves = done == job.train.steps or (job.run.checkpoint_every and done % job.run.checkpoint_every == 0)
+        if sched.evaluates_after(step) or saves:
+            books.flush()
+        if sched.evaluates_after(step):
+            evals = [next(receiver) for _ in range(sched.eval_batches)]
+            held_out = trainer.evaluate([p.batch for p in evals])
+            for p in evals:
+                books.seq_log.write("evaluated", p.item)
+            if books.sink is not None:
+                books.sink.eval(step + 1, held_out)
+            books.last_eval = held_out
+        if saves:   # waits for the save before it; this one is written while the next steps run
+            checkpoints.save(done, trainer.checkpoint_pieces(), trainer.checkpoint_state(done) if lead else {},
+                             resume.record(job, done) if lead else None)
+    return compile_s
+
+
 def run_drafter(ctx: Context, sink: MetricsSink | None) -> DrafterStats:
     """The drafter loop; `sink` is the lead drafter's metrics sink (None on the others)."""
-    job, topo, sched = ctx.job, ctx.topo, ctx.job.schedule
-    run, steps, fault = job.run, job.train.steps, job.fault
+    job, topo, sched, run = ctx.job, ctx.topo, ctx.job.schedule, ctx.job.run
     lead = ctx.rank == topo.lead_drafter
     ctx.progress.stage("building_drafter")
     trainer = DrafterTrainer(job, ctx.groups.drafters)
@@ -160,35 +198,16 @@ def run_drafter(ctx: Context, sink: MetricsSink | None) -> DrafterStats:
     receiver = Receiver(sched.items_for_drafter(topo.drafter_index(ctx.rank), ctx.start_step), topo.unit_leader,
                         ctx.comm_device, ctx.device)
     books = _Books(ctx, sink)
-    for step in range(ctx.start_step, steps):
-        maybe_fail(fault, ctx.rank, step)
-        t0 = time.perf_counter()
-        payloads = [next(receiver) for _ in range(sched.grad_accum)]
-        t1 = time.perf_counter()
-        batches = [p.batch for p in payloads]
-        if poisons(fault, ctx.rank, step):
-            batches = [dataclasses.replace(b, hidden=torch.full_like(b.hidden, float("nan"))) for b in batches]
-        books.queue(_InFlight(step, trainer.train_step(batches), payloads, t1 - t0,
-                              trainer.scheduler.get_last_lr()[0]))
-        if step == ctx.start_step:
-            books.flush()
-            compile_s = time.perf_counter() - t1 if compile_s is None else compile_s
-            log.info("first step took %.1fs; graphs compiled so far: %d", time.perf_counter() - t1, compile_count())
-        done = step + 1
-        saves = done == steps or (run.checkpoint_every and done % run.checkpoint_every == 0)
-        if sched.evaluates_after(step) or saves:
-            books.flush()
-        if sched.evaluates_after(step):
-            evals = [next(receiver) for _ in range(sched.eval_batches)]
-            held_out = trainer.evaluate([p.batch for p in evals])
-            for p in evals:
-                books.seq_log.write("evaluated", p.item)
-            if sink is not None:
-                sink.eval(step + 1, held_out)
-            books.last_eval = held_out
-        if saves:   # waits for the save before it; this one is written while the next steps run
-            checkpoints.save(done, trainer.checkpoint_pieces(), trainer.checkpoint_state(done) if lead else {},
-                             resume.record(job, done) if lead else None)
+    try:
+        compile_s = _train(ctx, trainer, receiver, books, checkpoints, compile_s)
+    except Exception:
+        # The save in flight holds a state from before the failure (a failed step is never saved): let it
+        # be published before the error ends this process.
+        try:
+            checkpoints.wait()
+        except checkpoint.CheckpointWriteError as exc:
+            log.error("%s", exc)
+        raise
     checkpoints.close()
     receiver.close([topo.unit_leader(u) for u in range(topo.num_units)])
     books.seq_log.close()

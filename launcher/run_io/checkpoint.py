@@ -307,6 +307,13 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         return pending.result() if pending is not None else None
 
+    def settle(self) -> None:
+        """wait(), then meet every rank of the group (the lead has published by then): every checkpoint saved
+        so far is on disk. Collective."""
+        self.wait()
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.barrier(group=self.group)
+
     def close(self) -> Path | None:
         """wait(), then end the writer thread."""
         try:
