@@ -365,3 +365,54 @@ def test_the_save_timing_script_runs_at_a_tiny_shape(tmp_path, tiny_target_dir, 
     assert result["async"]["background_write_s"] >= result["async"]["save_call_s"] > 0
     assert "lost to a save: synchronous" in capsys.readouterr().out
     assert not (tmp_path / "checkpoints").exists()   # ~12 GB each at the 8B shape: removed unless --keep
+
+
+def test_a_drafter_resumes_a_checkpoint_of_earlier_versions(tmp_path, tiny_target_dir):
+    """What the lead drafter wrote before checkpoints were sharded (one state.pt: the gathered weights,
+    torch AdamW's state by parameter index, the schedule, RNG states) restores a drafter: the weights,
+    moments, update count, schedule and tokens seen it was saved with."""
+    import dataclasses
+    import random
+
+    import torch.distributed as dist
+
+    from launcher.config import compose_config
+    from launcher.distributed.topology import Topology
+    from launcher.resolve import resolve
+    from launcher.roles.trainer import DrafterTrainer
+
+    job = resolve(compose_config([f"target.path={tiny_target_dir}", f"data.cache_dir={tmp_path / 'tok'}"]),
+                  Topology(1, 1), torch.device("cpu"))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        saved = DrafterTrainer(job, dist.group.WORLD)
+        gen = torch.Generator().manual_seed(0)
+        for piece in saved.checkpoint_pieces():
+            piece.tensor.copy_(torch.randn(piece.tensor.shape, generator=gen))
+        saved.optimizer._opt_called = True   # as its updates would have (torch's LR schedulers look for it)
+        for _ in range(7):
+            saved.scheduler.step()
+        whole = {piece.key: piece.tensor.view(saved.checkpoint_state(7)["shapes"][piece.key.split(".", 1)[1]])
+                 for piece in saved.checkpoint_pieces()}
+        names = [name for name, _ in saved.optimizer.named]
+        hyper = {key: value for key, value in saved.optimizer.param_groups[0].items() if key != "params"}
+        old = {"step": 7, "model": {name: whole[f"model.{name}"] for name in names},
+               "optimizer": {"state": {i: {"step": torch.tensor(7.0), "exp_avg": whole[f"exp_avg.{name}"],
+                                           "exp_avg_sq": whole[f"exp_avg_sq.{name}"]} for i, name in enumerate(names)},
+                             "param_groups": [{**hyper, "params": list(range(len(names)))}]},
+               "scheduler": saved.scheduler.state_dict(), "rng": {"python": random.getstate(),
+                                                                  "torch": torch.get_rng_state()},
+               "drafter_config": dataclasses.asdict(job.drafter), "tokens_seen": 99}
+        path = tmp_path / "step_00000007"
+        path.mkdir()
+        torch.save(old, path / "state.pt")
+        (path / "meta.json").write_text(json.dumps({"step": 7}))
+
+        resumed = DrafterTrainer(job, dist.group.WORLD)
+        resumed.restore(path, None)
+        for mine, theirs in zip(resumed.checkpoint_pieces(), saved.checkpoint_pieces()):
+            assert mine.key == theirs.key and torch.equal(mine.tensor, theirs.tensor), mine.key
+        assert resumed.optimizer.state_dict()["step"] == 7.0 and resumed.tokens_seen == 99
+        assert resumed.scheduler.state_dict() == saved.scheduler.state_dict()
+    finally:
+        dist.destroy_process_group()

@@ -361,7 +361,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.wait_for_weights()
         names = [name for name, _ in self.named]
         if set(weights) != set(names):
-            raise KeyError(f"checkpoint weights do not match the drafter: missing {sorted(set(names) - set(weights))}, "
+            raise KeyError(f"the weights do not match the drafter: missing {sorted(set(names) - set(weights))}, "
                            f"unexpected {sorted(set(weights) - set(names))}")
         with torch.no_grad():
             for bucket in self.buckets:
