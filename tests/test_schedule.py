@@ -36,3 +36,16 @@ def test_resume_starts_at_the_same_items(eval_every):
 def test_no_eval_items_when_disabled():
     sched = Schedule(steps=4, num_units=1, num_drafters=2, grad_accum=1, eval_every=2, eval_batches=0)
     assert all(it.kind == TRAIN for it in sched.items())
+
+
+@pytest.mark.parametrize("drafters,accum", [(1, 1), (1, 2), (3, 1), (4, 2)])
+def test_a_stream_resumed_at_another_count_goes_on_at_the_first_untrained_micro_batch(drafters, accum):
+    before = Schedule(steps=6, num_units=1, num_drafters=2, grad_accum=1, eval_every=2, eval_batches=1)
+    trained = before.trained_before(3)
+    after = Schedule(steps=6, num_units=2, num_drafters=drafters, grad_accum=accum, eval_every=2,
+                     eval_batches=1).resumed_at(3, trained)
+    indices = [it.index for it in before.items() if it.kind == TRAIN and it.step < 3]
+    indices += [it.index for it in after.items(3) if it.kind == TRAIN]
+    assert indices == list(range(len(indices)))   # every micro-batch once, in order
+    assert after.trained_before(6) == trained + 3 * drafters * accum
+    assert Counter(it.drafter for it in after.items(3) if it.kind == TRAIN) == {d: 3 * accum for d in range(drafters)}
