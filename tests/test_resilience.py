@@ -22,18 +22,26 @@ def _final_weights(run_dir):
     return checkpoint.load_weights(run_dir / "checkpoints" / f"step_{STEPS:08d}")[2]
 
 
-def test_killed_then_relaunched_run_matches_straight_run_bitwise(tmp_path, tiny_target_dir):
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, tiny_target_dir):
+    """An uninterrupted t1d2 run of STEPS steps, checkpointing every 3, which the resumed runs are compared
+    with: (its run dir, the settings they share)."""
+    root = tmp_path_factory.mktemp("straight")
     # fixed_length: the drafters also run their pre-stream warm-up, which must not disturb any state.
-    common = ["topology=t1d2", f"train.steps={STEPS}", "run.checkpoint_every=3", "train.eval_every=0",
-              "data.fixed_length=192", *tiny_overrides(tmp_path, tiny_target_dir)]
-    straight = tmp_path / "straight"
-    assert torchrun(3, *common, f"run.dir={straight}").returncode == 0
+    common = [f"train.steps={STEPS}", "run.checkpoint_every=3", "train.eval_every=0", "run.log_every=1",
+              "data.fixed_length=192", *tiny_overrides(root, tiny_target_dir)]
+    ran = torchrun(3, "topology=t1d2", *common, f"run.dir={root / 'run'}")
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    return root / "run", common
 
+
+def test_killed_then_relaunched_run_matches_straight_run_bitwise(tmp_path, straight):
+    straight, common = straight
     resumed = tmp_path / "resumed"
-    crashed = torchrun(3, *common, f"run.dir={resumed}", "fault.rank=1", "fault.step=4")
+    crashed = torchrun(3, "topology=t1d2", *common, f"run.dir={resumed}", "fault.rank=1", "fault.step=4")
     assert crashed.returncode != 0
     assert sorted(p.name for p in (resumed / "checkpoints").glob("step_*")) == ["step_00000003"]
-    relaunched = torchrun(3, *common, f"run.dir={resumed}")
+    relaunched = torchrun(3, "topology=t1d2", *common, f"run.dir={resumed}")
     assert relaunched.returncode == 0, relaunched.stderr[-3000:]
     assert "resuming at step 3" in relaunched.stderr and "warm-up compiled the step for [4, 192]" in relaunched.stderr
 
@@ -48,16 +56,12 @@ def _train_losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
 
 
-def test_a_t1d2_checkpoint_resumes_at_t1d1_and_at_t1d4(tmp_path, tiny_target_dir):
+def test_a_t1d2_checkpoint_resumes_at_t1d1_and_at_t1d4(tmp_path, straight):
     """The drafters' shards of a t1d2 checkpoint, read at another drafter count. At t1d1 with
     train.grad_accum=2 (the same two micro-batches a step) the run goes on as the uninterrupted t1d2 run: its
     losses and final weights are that run's within fp32 rounding. At t1d4 (four a step, said once) it goes on
     at the first micro-batch the checkpoint did not train, each trained once, and four shards are written."""
-    common = [f"train.steps={STEPS}", "run.checkpoint_every=3", "train.eval_every=0", "run.log_every=1",
-              *tiny_overrides(tmp_path, tiny_target_dir)]
-    straight = tmp_path / "straight"
-    ran = torchrun(3, "topology=t1d2", *common, f"run.dir={straight}")
-    assert ran.returncode == 0, ran.stderr[-3000:]
+    straight, common = straight
     source = straight / "checkpoints" / "step_00000003"
 
     one = tmp_path / "t1d1"
