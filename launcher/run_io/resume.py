@@ -123,9 +123,10 @@ def _resplit(meta: dict, now: dict, path: Path, evaluates: bool) -> None:
     notes = []
     if before != after:
         keep = (f"; train.grad_accum={before // ranks} keeps {before} per step" if before % ranks == 0 else "")
-        notes.append(f"the stream goes on at micro-batch {trained(meta, after)}, every micro-batch still trained once and "
-                     f"in order, but each optimiser step now averages {after} of them, not {before} (the learning-rate "
-                     f"schedule still counts steps), so the loss curve goes on as a run of this split would{keep}")
+        notes.append(f"the stream goes on at micro-batch {trained(meta, after)}, every micro-batch still trained once "
+                     f"and in order, but each optimiser step now averages {after} of them, not {before} (the "
+                     f"learning-rate schedule still counts steps), so the loss curve goes on as a run of this split "
+                     f"would{keep}")
     saved_ranks = meta.get("split", {}).get("drafter ranks", ranks)
     if evaluates and ranks != saved_ranks:
         notes.append(f"held-out evaluations cover {ranks} x train.eval_batches micro-batches, not {saved_ranks} x")
