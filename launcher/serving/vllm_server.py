@@ -160,12 +160,11 @@ class VllmServer:
         client = OpenAIClient(self.url)
         while not client.healthy():
             if self.process.poll() is not None:
-                code = self.process.returncode
-                self.stop()
-                raise ServerError(f"vllm serve exited with code {code} before it was ready "
+                self.stop(error=True)
+                raise ServerError(f"vllm serve exited with code {self.process.returncode} before it was ready "
                                   f"(log {self.log_path}):\n{self.log_lines()}")
             if time.monotonic() > self._deadline:
-                self.stop()
+                self.stop(error=True)
                 raise ServerError(f"vllm serve was not ready within {self.startup_timeout_s:.0f} s "
                                   f"(log {self.log_path}):\n{self.log_lines()}")
             time.sleep(1.0)
@@ -192,10 +191,10 @@ class VllmServer:
         return (f"the vllm serve this command started ({self.url}) died with exit code {code}{how}; its log "
                 f"{self.log_path} ends with:\n{self.log_lines()}")
 
-    def stop(self) -> None:
+    def stop(self, error: bool = False) -> None:
         """The server and every process it started: SIGTERM to the supervisor, which stops the tree
         (SIGKILL after stop_grace_s), then SIGKILL to whatever is left in its process group, even with
-        the supervisor gone. A temporary log goes unless an error named it."""
+        the supervisor gone. A temporary log goes unless an error names it (`error`: one is about to)."""
         if self.process is None:
             return
         self.stopping = True
@@ -206,7 +205,7 @@ class VllmServer:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
-        if self.temporary_log and not self.keep_log:
+        if self.temporary_log and not self.keep_log and not error:
             self.log_path.unlink(missing_ok=True)
 
     def __enter__(self) -> OpenAIClient:
