@@ -209,9 +209,9 @@ def _regenerate(target: Path, root: Path, name: str) -> tuple[subprocess.Popen, 
     err = open(root / f"{name}.err", "w")
     command = subprocess.Popen(
         [sys.executable, "-m", "launcher.regenerate", f"target.path={target}", f"regenerate.input={BUNDLED_DATASET}",
-         f"regenerate.output={output}", "regenerate.max_new_tokens=64", "regenerate.device=cpu",
-         "regenerate.concurrency=1", "regenerate.max_retries=1", "regenerate.retry_backoff_s=0.1",
-         f"regenerate.vllm_args=[{','.join(served.SERVER_ARGS)}]"],
+         f"regenerate.output={output}", "regenerate.engine=vllm", "regenerate.max_new_tokens=64",
+         "regenerate.device=cpu", "regenerate.concurrency=1", "regenerate.max_retries=1",
+         "regenerate.retry_backoff_s=0.1", f"regenerate.vllm_args=[{','.join(served.SERVER_ARGS)}]"],
         cwd=REPO, stdout=err, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     err.close()
     return command, output
@@ -227,6 +227,15 @@ def _answered(output: Path) -> int:
 def test_no_process_of_a_started_vllm_server_outlives_regenerate(tiny_target_dir, tmp_path):
     served.require_vllm_env()
     runs = {ending: _regenerate(tiny_target_dir, tmp_path, ending.replace(" ", "_")) for ending in ENDINGS}
+    try:
+        _end_each_way(runs, tmp_path)
+    finally:   # a failed check leaves no command behind (each takes its servers along)
+        for command, _ in runs.values():
+            command.kill()
+            command.wait()
+
+
+def _end_each_way(runs: dict, tmp_path: Path) -> None:
     trees, supervisors = {}, {}
     for ending, (command, output) in runs.items():   # mid-run: answers on disk, more to come
         deadline = time.monotonic() + 1200

@@ -165,6 +165,8 @@ def answer_all(clients: list[OpenAIClient], prompts: list[Prompt], requests: Req
                 return
             try:
                 conversation, tokens, unfinished = requests.converse(client, prompt)
+                if conversation is not None:
+                    writer.write(prompt.index, output_record(prompt, conversation))
             except RequestRefused as err:
                 with lock:
                     outcome.refused[prompt.index] = str(err)
@@ -172,15 +174,16 @@ def answer_all(clients: list[OpenAIClient], prompts: list[Prompt], requests: Req
                 continue
             except ServerDown as err:
                 pending.put(prompt)   # another server may answer it
+                if leaving.is_set():   # stopped by this run, not down
+                    return
                 with lock:
                     outcome.down.setdefault(client.url, str(err))
                 log.warning("server %s is down: %s", client.url, err)
                 return
             except BaseException as err:  # noqa: BLE001 - raised again in the main thread
-                outcome.crashed.append(err)
+                if not leaving.is_set():   # else the run is stopping: its servers going, its writer closed
+                    outcome.crashed.append(err)
                 return
-            if conversation is not None:
-                writer.write(prompt.index, output_record(prompt, conversation))
             with lock:
                 (outcome.answered if conversation is not None else outcome.empty).add(prompt.index)
                 outcome.tokens += tokens
