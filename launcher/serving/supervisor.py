@@ -5,12 +5,13 @@ vLLM's API server starts an engine core, which starts its workers, and multiproc
 resource_tracker; none of them inherits the parent-death signal of the API server, and a process
 whose parent dies is adopted by init, out of anyone's reach. VllmServer therefore starts this
 supervisor (the main environment's python, standard library only), in a session of its own and
-with SIGTERM as its parent-death signal, and the supervisor starts the command. Being a child
+with SIGHUP as its parent-death signal, and the supervisor starts the command. Being a child
 subreaper, it adopts every process of the tree whose parent dies, so the tree is always its
 descendants. It stops them all, SIGTERM first and SIGKILL to those left after GRACE_S, when:
-- it gets SIGTERM, SIGINT or SIGHUP (VllmServer.stop(), or the kernel when the command that
-  started it died, however it died; then the temporary log of --log-to-remove goes too: no one
-  is left to name it);
+- it gets SIGTERM or SIGINT (VllmServer.stop());
+- it gets SIGHUP: the kernel's word that the command that started it died, however it died (its
+  parent pid may not have changed yet: another thread of the dying command adopts it first); the
+  temporary log of --log-to-remove goes too, as no one is left to name it;
 - the command exits on its own (an API server that died leaves its engine running).
 It then exits with the command's status (128 + N for a signal N), or 128 + the signal that
 stopped it when the command was still running.
@@ -124,7 +125,6 @@ def main(argv: list[str]) -> int:
     options, command = argv[:at], argv[at + 1:]
     grace_s = float(options[0])
     log_to_remove = options[options.index("--log-to-remove") + 1] if "--log-to-remove" in options else None
-    parent = os.getppid()
     become_subreaper()
     for stop in _STOP_SIGNALS:
         signal.signal(stop, _on_stop_signal)
@@ -141,7 +141,7 @@ def main(argv: list[str]) -> int:
         _say(f"the server (pid {server.pid}) exited with code {code}; stopping the processes it left")
     except _Stopped as stopped:
         code = 128 + stopped.signum
-        parent_died = os.getppid() != parent
+        parent_died = stopped.signum == signal.SIGHUP
         why = "its parent died" if parent_died else f"told to ({signal.Signals(stopped.signum).name})"
         _say(f"stopping the server{f' (pid {server.pid})' if server else ''} and every process it started: {why}")
         if log_to_remove and parent_died:

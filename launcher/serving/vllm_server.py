@@ -138,7 +138,8 @@ class VllmServer:
 
     def launch(self) -> None:
         """Start the process and return at once (wait_ready waits for it): several servers
-        launched before any is waited for load side by side."""
+        launched before any is waited for load side by side. From a thread that lives as long as the
+        server: the kernel's parent-death signal follows the thread that started a process."""
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         # Local paths only: a tiny target or an export must never be looked up on a hub.
@@ -147,11 +148,11 @@ class VllmServer:
         supervisor = [sys.executable, "-m", "launcher.serving.supervisor", str(self.stop_grace_s),
                       *(["--log-to-remove", str(self.log_path)] if self.temporary_log else []), "--"]
         with open(self.log_path, "w") as log:
-            # SIGTERM, not SIGKILL, when this process dies: the supervisor stops the tree first.
+            # SIGHUP, not SIGKILL, when this thread dies: the supervisor stops the tree, then itself.
             self.process = subprocess.Popen([*supervisor, *self.command, "--port", str(port)], stdout=log,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                             start_new_session=True,
-                                            preexec_fn=die_with_parent_preexec(signal.SIGTERM))
+                                            preexec_fn=die_with_parent_preexec(signal.SIGHUP))
         self._deadline = time.monotonic() + self.startup_timeout_s
 
     def wait_ready(self) -> OpenAIClient:
