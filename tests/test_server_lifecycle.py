@@ -166,16 +166,27 @@ def test_a_server_stopped_by_this_process_leaves_nothing_and_removes_its_tempora
     assert server.died() is None and not server.log_path.exists()
 
 
-def test_the_log_excerpt_keeps_the_root_cause_far_above_the_end():
-    log = ["INFO loading"] * 5 + [
-        "(EngineCore pid=7) Traceback (most recent call last):",
-        '(EngineCore pid=7)   File "/v/safetensors/torch.py", line 311, in load_file',
-        "(EngineCore pid=7)     with safe_open(filename) as f:",
-        "(EngineCore pid=7) safetensors_rust.SafetensorError: Error while deserializing header: incomplete metadata",
-    ] + [f"INFO shutting down {k}" for k in range(200)] + ["RuntimeError: Engine core initialization failed."]
-    excerpt = log_excerpt("\n".join(log), tail=3).splitlines()
-    assert excerpt[1:4] == log[6:9], "the exception and the frame it was raised in"
-    assert excerpt[-1] == log[-1] and "INFO shutting down 100" not in excerpt and len(excerpt) < 12
+def test_the_log_excerpt_keeps_the_root_cause_far_above_the_end_and_not_the_teardowns_noise():
+    worker = "(Worker pid=7) ERROR 12-05 08:24:29 [executor.py:953] "
+    core = "(EngineCore pid=6) ERROR 12-05 08:24:34 [core.py:1510] "
+    log = ["(APIServer pid=5) INFO 12-05 08:23:42 [api_server.py:1] loading"] * 5 + [
+        f"{worker}WorkerProc failed to start.",
+        f"{worker}Traceback (most recent call last):",
+        f'{worker}  File "/v/weight_utils.py", line 1208, in safetensors_weights_iterator',
+        f'{worker}    with safe_open(st_file, framework="pt") as f:',
+        f"{worker}         ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^",
+        f"{worker}safetensors._safetensors_rust.SafetensorError: Error while deserializing header: incomplete metadata",
+        *(f"{core}  File \"/v/core.py\", line {k}, in f{k}" for k in range(100)),
+        f"{core}Exception: WorkerProc initialization failed due to an exception in a background process.",
+        "RuntimeError: Engine core initialization failed. See root cause above.",
+        "[supervisor 9] the server (pid 10) exited with code 1; stopping the processes it left",
+        *(f"{core}RuntimeError: cancelled {k}" for k in range(30)),   # the teardown's own
+    ]
+    excerpt = log_excerpt("\n".join(log))
+    assert [line for line in excerpt.splitlines() if "SafetensorError" in line or "weight_utils" in line] == \
+        [log[7], log[10]], "the root cause with the frame it was raised in"
+    assert log[5] in excerpt and log[-31] in excerpt and excerpt.endswith(log[-31])
+    assert "cancelled" not in excerpt and "line 50," not in excerpt
 
 
 def test_a_failed_server_start_names_its_log_and_leaves_no_parts(tmp_path, tiny_target_dir):

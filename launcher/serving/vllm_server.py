@@ -73,24 +73,31 @@ def parse_spec_counters(text: str) -> dict:
     return counters
 
 
-# A log line that says what went wrong: an error or exception, and the traceback frame it was raised in.
-_MATTERS = re.compile(r"Error\b|Exception\b|ERROR|CRITICAL|Killed|out of memory")
-_FRAME = re.compile(r'^\s*(\([^)]*\)\s*)?File "')
+# A vLLM log line's prefix: "(EngineCore pid=7) ERROR 12-05 08:22:17 [core.py:1512] ".
+_PREFIX = re.compile(r"^(\([^)]*\)\s*)?((?P<level>[A-Z]+) \d\d-\d\d [\d:.]+ \[[^\]]*\]\s?)?")
+_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b|Killed|out of memory")
+SUPERVISOR_LINE = "[supervisor "   # launcher/serving/supervisor.py's lines: what follows is the teardown's
 
 
-def log_excerpt(text: str, *, errors: int = 10, tail: int = 6) -> str:
-    """The lines of a server log that say why it stopped: those naming an error or exception, each
-    with the traceback frame it was raised in (the root cause often sits far above the end, under
-    the shutdown's own noise), the last `errors` of them, then the log's last `tail` lines."""
+def log_excerpt(text: str, *, errors: int = 8, tail: int = 5) -> str:
+    """The lines of a server log that say why it stopped: each distinct exception or logged error,
+    under the traceback frame it was raised in (the root cause often sits far above the end), the
+    last `errors` of them, then the last `tail` lines, all from before the supervisor's line saying
+    the server exited or is being stopped (the errors after it are the teardown's own), and that line."""
     lines = text.splitlines()
-    groups: dict[str, range] = {}   # an error line (its last occurrence) -> its lines, frame first
-    for k, line in enumerate(lines):
-        if _MATTERS.search(line) and not line.rstrip().endswith("(most recent call last):"):
-            frame = next((j for j in range(k - 1, max(k - 4, -1), -1) if _FRAME.match(lines[j])), k)
-            groups.pop(line, None)
-            groups[line] = range(frame, k + 1)
+    end = next((k for k, line in enumerate(lines) if line.startswith(SUPERVISOR_LINE)), len(lines))
+    messages = [(_PREFIX.match(line), line) for line in lines[:end]]
+    messages = [(prefix.group("level"), line[prefix.end():]) for prefix, line in messages]
+    groups: dict[str, list[int]] = {}   # an error's words (its last occurrence) -> its lines, frame first
+    for k, (level, message) in enumerate(messages):
+        in_traceback = message.startswith(("Traceback", " ", "File ", "^"))
+        if _EXCEPTION.search(message) or (level in ("ERROR", "CRITICAL") and not in_traceback and message):
+            frame = next((j for j in range(k - 1, max(k - 6, -1), -1) if messages[j][1].lstrip().startswith("File ")),
+                         None)
+            groups.pop(message, None)
+            groups[message] = [*(range(frame, min(frame + 2, k)) if frame is not None else ()), k]
     shown_lines = {k for group in list(groups.values())[-errors:] for k in group}
-    shown_lines |= set(range(max(len(lines) - tail, 0), len(lines)))
+    shown_lines |= set(range(max(end - tail, 0), min(end + 1, len(lines))))
     shown, last = [], -1
     for k in sorted(shown_lines):
         if k != last + 1:
