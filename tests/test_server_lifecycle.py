@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from launcher.serving.supervisor import descendants
-from launcher.serving.vllm_server import ServerError, VllmServer, log_excerpt
+from launcher.serving.vllm_server import SERVER_MODULE, ServerError, VllmServer, log_excerpt
 from tests import served
 from tests.launching import REPO
 
@@ -77,8 +77,8 @@ def _command_line(pid: int) -> str:
         return "(gone)"
 
 
-def _children(parent: int, tree) -> list[int]:
-    return [pid for pid in tree if Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[1] == str(parent)]
+def _process_named(tree, name: bytes) -> int:
+    return next(pid for pid in tree if name in _command_line(pid).encode())
 
 
 def _supervisor_of(command: int, deadline_s: float = 60.0) -> int:
@@ -94,12 +94,23 @@ def _supervisor_of(command: int, deadline_s: float = 60.0) -> int:
     raise AssertionError(f"no supervisor started below pid {command} within {deadline_s:.0f} s")
 
 
-def _complete_tree(supervisor: int, minimum: int, deadline_s: float = 60.0) -> dict[int, str]:
+def complete_tree(supervisor: int, needed: tuple[bytes, ...], deadline_s: float = 60.0) -> dict[int, str]:
+    """The server's tree once a process of each `needed` command line is in it (before, a shell's
+    short-lived forks come and go); those processes and the supervisor."""
     deadline = time.monotonic() + deadline_s
-    while len(tree := server_tree(supervisor)) < minimum and time.monotonic() < deadline:
+    while True:
+        tree = server_tree(supervisor)
+        lines = {pid: _command_line(pid).encode() for pid in tree}
+        found = {pid for pid, line in lines.items() for name in needed if name in line}
+        missing = [name for name in needed if not any(name in line for line in lines.values())]
+        if not missing or time.monotonic() > deadline:
+            break
         time.sleep(0.2)
-    assert len(tree) >= minimum, f"the server's tree has {len(tree)} processes, expected {minimum}"
-    return tree
+    assert not missing, f"no {missing} among the server's processes: {list(lines.values())}"
+    return {pid: start for pid, start in tree.items() if pid in found or pid == supervisor}
+
+
+SLEEPS = (b"sleep 300", b"sleep 301", b"sleep 302")   # FAKE_SERVER's
 
 
 # ----------------------------------------------------------------------------- with a stand-in server
@@ -117,7 +128,7 @@ def test_sigkill_of_the_command_takes_the_whole_tree_and_the_temporary_log(tmp_p
     command = subprocess.Popen([sys.executable, "-c", _COMMAND, _fake_python(tmp_path)], cwd=REPO,
                                stdout=subprocess.PIPE, text=True)
     log = Path(command.stdout.readline().strip())
-    tree = _complete_tree(_supervisor_of(command.pid), minimum=4)   # supervisor, server, child, escaped grandchild
+    tree = complete_tree(_supervisor_of(command.pid), SLEEPS)
     command.kill()
     command.wait()
     assert not still_alive(tree)
@@ -128,8 +139,8 @@ def test_a_server_that_dies_on_its_own_is_named_with_its_log_and_leaves_nothing(
     server = VllmServer(tmp_path, python=_fake_python(tmp_path), stop_grace_s=2)
     server.launch()
     try:
-        tree = _complete_tree(server.process.pid, minimum=4)
-        os.kill(_children(server.process.pid, tree)[0], signal.SIGKILL)   # the server, not what it started
+        tree = complete_tree(server.process.pid, SLEEPS)
+        os.kill(_process_named(tree, SLEEPS[2]), signal.SIGKILL)   # the server, not what it started
         died = server.died()
         assert not still_alive(tree)
     finally:
@@ -142,7 +153,7 @@ def test_a_server_that_dies_on_its_own_is_named_with_its_log_and_leaves_nothing(
 def test_stop_kills_the_group_when_its_leader_is_gone(tmp_path):
     server = VllmServer(tmp_path, python=_fake_python(tmp_path), log_path=tmp_path / "log", stop_grace_s=2)
     server.launch()
-    tree = _complete_tree(server.process.pid, minimum=4)
+    tree = complete_tree(server.process.pid, SLEEPS)
     escaped = [pid for pid in tree if os.getsid(pid) != server.process.pid]   # out of the group: not stop()'s
     os.kill(server.process.pid, signal.SIGKILL)   # the supervisor, killed before it could stop anything
     server.process.wait()
@@ -160,7 +171,7 @@ def test_stop_kills_the_group_when_its_leader_is_gone(tmp_path):
 def test_a_server_stopped_by_this_process_leaves_nothing_and_removes_its_temporary_log(tmp_path):
     server = VllmServer(tmp_path, python=_fake_python(tmp_path), stop_grace_s=2)
     server.launch()
-    tree = _complete_tree(server.process.pid, minimum=4)
+    tree = complete_tree(server.process.pid, SLEEPS)
     server.stop()
     assert not still_alive(tree, within_s=0)   # stop() returns once they are gone
     assert server.died() is None and not server.log_path.exists()
@@ -255,13 +266,12 @@ def _end_each_way(runs: dict, tmp_path: Path) -> None:
         err = (tmp_path / f"{ending.replace(' ', '_')}.err").read_text()
         assert command.poll() is None and _answered(output) >= 2, f"{ending}: not mid-run:\n{err[-3000:]}"
         supervisors[ending] = _supervisor_of(command.pid)
+        # The API server (the supervisor's child), its engine core, the engine's worker, the resource tracker.
+        complete_tree(supervisors[ending], (b"VLLM::EngineCore", b"VLLM::Worker", b"resource_tracker"))
         trees[ending] = server_tree(supervisors[ending])
-        names = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in trees[ending]]
-        assert any(b"VLLM::EngineCore" in name for name in names) and \
-            any(b"resource_tracker" in name for name in names), f"{ending}: not the whole tree: {names}"
     for ending, (command, _) in runs.items():
-        if ending == "server died":   # the API server, the supervisor's child
-            os.kill(_children(supervisors[ending], trees[ending])[0], signal.SIGKILL)
+        if ending == "server died":   # the API server, not what it started
+            os.kill(_process_named(trees[ending], SERVER_MODULE.encode()), signal.SIGKILL)
         else:
             command.send_signal(getattr(signal, ending))
     for ending, (command, output) in runs.items():
