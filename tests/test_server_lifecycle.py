@@ -77,8 +77,9 @@ def _command_line(pid: int) -> str:
         return "(gone)"
 
 
-def _process_named(tree, name: bytes) -> int:
-    return next(pid for pid in tree if name in _command_line(pid).encode())
+def _process_named(supervisor: int, name: bytes) -> int:
+    """The process below the supervisor whose command line holds `name` (the supervisor's holds the server's)."""
+    return next(pid for pid in descendants(supervisor) if name in _command_line(pid).encode())
 
 
 def _supervisor_of(command: int, deadline_s: float = 60.0) -> int:
@@ -140,7 +141,7 @@ def test_a_server_that_dies_on_its_own_is_named_with_its_log_and_leaves_nothing(
     server.launch()
     try:
         tree = complete_tree(server.process.pid, SLEEPS)
-        os.kill(_process_named(tree, SLEEPS[2]), signal.SIGKILL)   # the server, not what it started
+        os.kill(_process_named(server.process.pid, SLEEPS[2]), signal.SIGKILL)   # the server, not what it started
         died = server.died()
         assert not still_alive(tree)
     finally:
@@ -148,6 +149,33 @@ def test_a_server_that_dies_on_its_own_is_named_with_its_log_and_leaves_nothing(
     assert died is not None and "died with exit code 137 (killed by SIGKILL)" in died
     assert f"its log {server.log_path} ends with" in died and "ValueError: the root cause" in died
     assert server.log_path.exists(), "the log an error names is removed"
+
+
+_HEALTHY_SERVER = """
+import sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+print("RuntimeError: what the server said before it died", flush=True)
+HTTPServer(("127.0.0.1", int(sys.argv[sys.argv.index("--port") + 1])), Health).serve_forever()
+"""
+
+
+def test_a_request_failing_because_the_server_died_says_the_server_died(tmp_path):
+    from launcher.serving.openai_client import ServerDown
+
+    fake = _fake_python(tmp_path, f"#!{sys.executable}\n{_HEALTHY_SERVER}")
+    with pytest.raises(ServerError, match=r"(?s)the vllm serve this command started .* died with exit code 137 "
+                                          r"\(killed by SIGKILL\).*what the server said before it died") as failure:
+        with VllmServer(tmp_path, python=fake, stop_grace_s=2) as client:
+            os.kill(_process_named(_supervisor_of(os.getpid()), b"--port"), signal.SIGKILL)
+            raise ServerDown(f"POST {client.url}/v1/completions: Remote end closed connection without response")
+    assert isinstance(failure.value.__cause__, ServerDown)
+    log = Path(str(failure.value).split("its log ", 1)[1].split(" ends with", 1)[0])
+    assert log.is_file(), "the log the error names is gone"
+    log.unlink()
 
 
 def test_stop_kills_the_group_when_its_leader_is_gone(tmp_path):
@@ -207,11 +235,11 @@ def test_a_failed_server_start_names_its_log_and_leaves_no_parts(tmp_path, tiny_
     fake = _fake_python(tmp_path, '#!/bin/sh\necho "ValueError: no DFlash for this model"\n'
                                   'i=0; while [ $i -lt 60 ]; do echo "noise $i"; i=$((i+1)); done; exit 2\n')
     output = tmp_path / "out" / "regen.jsonl"
-    with pytest.raises(ServerError, match=r"(?s)exited with code 2 before it was ready \(log (\S+)\).*"
+    with pytest.raises(ServerError, match=r"(?s)exited before it was ready \(exit code 2; log (\S+)\).*"
                                           r"ValueError: no DFlash for this model") as failure:
         run([f"target.path={tiny_target_dir}", f"regenerate.input={BUNDLED_DATASET}", f"regenerate.output={output}",
              "regenerate.engine=vllm", f"regenerate.vllm_python={fake}", "regenerate.limit=2"])
-    log = Path(str(failure.value).split("(log ", 1)[1].split(")", 1)[0])
+    log = Path(str(failure.value).split("; log ", 1)[1].split(")", 1)[0])
     try:
         assert log.is_file(), "the log the error names is gone"
     finally:
@@ -271,7 +299,7 @@ def _end_each_way(runs: dict, tmp_path: Path) -> None:
         trees[ending] = server_tree(supervisors[ending])
     for ending, (command, _) in runs.items():
         if ending == "server died":   # the API server, not what it started
-            os.kill(_process_named(trees[ending], SERVER_MODULE.encode()), signal.SIGKILL)
+            os.kill(_process_named(supervisors[ending], SERVER_MODULE.encode()), signal.SIGKILL)
         else:
             command.send_signal(getattr(signal, ending))
     for ending, (command, output) in runs.items():

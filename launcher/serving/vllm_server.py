@@ -107,6 +107,13 @@ def log_excerpt(text: str, *, errors: int = 8, tail: int = 5) -> str:
     return "\n".join(shown) if shown else "(the log is empty)"
 
 
+def exit_words(code: int) -> str:
+    """"exit code 137 (killed by SIGKILL)": a supervisor's code (128 + N) or Popen's (-N) for a signal N."""
+    signum = -code if code < 0 else code - 128
+    killed = f" (killed by {signal.Signals(signum).name})" if signum in signal.valid_signals() else ""
+    return f"exit code {code}{killed}"
+
+
 class VllmServer:
     """`with VllmServer(model, ...) as client:` a server (`vllm serve`) on a free loopback port
     until the block ends. `speculative` is vLLM's --speculative-config (None: plain decoding); `extra_args`
@@ -169,8 +176,8 @@ class VllmServer:
         while not client.healthy():
             if self.process.poll() is not None:
                 self.stop(error=True)
-                raise ServerError(f"vllm serve exited with code {self.process.returncode} before it was ready "
-                                  f"(log {self.log_path}):\n{self.log_lines()}")
+                raise ServerError(f"vllm serve exited before it was ready ({exit_words(self.process.returncode)}; "
+                                  f"log {self.log_path}):\n{self.log_lines()}")
             if time.monotonic() > self._deadline:
                 self.stop(error=True)
                 raise ServerError(f"vllm serve was not ready within {self.startup_timeout_s:.0f} s "
@@ -194,9 +201,7 @@ class VllmServer:
             code = self.process.wait(timeout=self.stop_grace_s + 5.0)
         except subprocess.TimeoutExpired:
             return None
-        how = f" (killed by {signal.Signals(code - 128).name})" if code > 128 and code - 128 in signal.valid_signals() \
-            else ""
-        return (f"the vllm serve this command started ({self.url}) died with exit code {code}{how}; its log "
+        return (f"the vllm serve this command started ({self.url}) died with {exit_words(code)}; its log "
                 f"{self.log_path} ends with:\n{self.log_lines()}")
 
     def stop(self, error: bool = False) -> None:
