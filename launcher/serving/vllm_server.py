@@ -135,10 +135,10 @@ class VllmServer:
         self.startup_timeout_s, self.stop_grace_s = startup_timeout_s, stop_grace_s
         self.env = dict(env or {})   # e.g. CUDA_VISIBLE_DEVICES: which GPUs this server takes
         self.temporary_log = log_path is None
-        self.keep_log = False   # an error named the log: it stays for the user to read
+        self.keep_log = False   # an error names the log: it stays for the user to read
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
         self.process: subprocess.Popen | None = None   # the supervisor, whose child is the server
-        self.stopping = False
+        self.stopping = False   # stop() was called: whatever ends the server now is not its own death
         self._deadline = 0.0
         self.url = None
 
@@ -175,11 +175,13 @@ class VllmServer:
         client = OpenAIClient(self.url)
         while not client.healthy():
             if self.process.poll() is not None:
-                self.stop(error=True)
+                self.keep_log = True   # the error names it
+                self.stop()
                 raise ServerError(f"vllm serve exited before it was ready ({exit_words(self.process.returncode)}; "
                                   f"log {self.log_path}):\n{self.log_lines()}")
             if time.monotonic() > self._deadline:
-                self.stop(error=True)
+                self.keep_log = True
+                self.stop()
                 raise ServerError(f"vllm serve was not ready within {self.startup_timeout_s:.0f} s "
                                   f"(log {self.log_path}):\n{self.log_lines()}")
             time.sleep(1.0)
@@ -201,14 +203,14 @@ class VllmServer:
             code = self.process.wait(timeout=self.stop_grace_s + 5.0)
         except subprocess.TimeoutExpired:
             return None
-        return (f"the vllm serve this command started ({self.url}) died with {exit_words(code)}; its log "
-                f"{self.log_path} ends with:\n{self.log_lines()}")
+        return (f"the vllm serve this command started ({self.url}) died with {exit_words(code)}; the lines "
+                f"of its log {self.log_path} that matter:\n{self.log_lines()}")
 
-    def stop(self, error: bool = False) -> None:
+    def stop(self) -> None:
         """The server and every process it started: SIGTERM to the supervisor, which stops the tree
         (SIGKILL after stop_grace_s), then SIGKILL to whatever is left in its process group, even with
-        the supervisor gone. A temporary log goes unless an error names it (`error`: one is about to)."""
-        if self.process is None:
+        the supervisor gone. A temporary log goes unless an error names it. Once: later calls return."""
+        if self.process is None or self.stopping:
             return
         self.stopping = True
         if self.process.poll() is None:
@@ -218,7 +220,7 @@ class VllmServer:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
-        if self.temporary_log and not self.keep_log and not error:
+        if self.temporary_log and not self.keep_log:
             self.log_path.unlink(missing_ok=True)
 
     def __enter__(self) -> OpenAIClient:
