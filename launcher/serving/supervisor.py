@@ -28,6 +28,7 @@ from pathlib import Path
 from launcher.parent_death import become_subreaper, die_with_parent_preexec
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+LINE_PREFIX = "[supervisor "   # its lines in the server's log: what the server logs after one is the teardown's
 
 
 class _Stopped(Exception):
@@ -46,7 +47,7 @@ def _on_stop_signal(signum, frame) -> None:
 
 
 def _say(message: str) -> None:
-    print(f"[supervisor {os.getpid()}] {message}", flush=True)   # stdout is the server's log
+    print(f"{LINE_PREFIX}{os.getpid()}] {message}", flush=True)   # stdout is the server's log
 
 
 def descendants(root: int) -> dict[int, str]:
@@ -116,6 +117,7 @@ def stop_tree(grace_s: float, statuses: dict[int, int]) -> None:
 
 
 def exit_code(status: int) -> int:
+    """A wait status as a shell gives it: the exit code, or 128 + N for a signal N."""
     code = os.waitstatus_to_exitcode(status)
     return 128 - code if code < 0 else code
 
@@ -137,12 +139,12 @@ def main(argv: list[str]) -> int:
             pid, status = os.waitpid(-1, 0)   # adopted orphans exit here too
             statuses[pid] = status
         _interruptible[0] = False
-        server.returncode = code = exit_code(statuses[server.pid])
+        server.returncode = code = exit_code(statuses[server.pid])   # reaped here, not by Popen
         _say(f"the server (pid {server.pid}) exited with code {code}; stopping the processes it left")
     except _Stopped as stopped:
         code = 128 + stopped.signum
         parent_died = stopped.signum == signal.SIGHUP
-        why = "its parent died" if parent_died else f"told to ({signal.Signals(stopped.signum).name})"
+        why = "the command that started it died" if parent_died else f"told to ({signal.Signals(stopped.signum).name})"
         _say(f"stopping the server{f' (pid {server.pid})' if server else ''} and every process it started: {why}")
         if log_to_remove and parent_died:
             Path(log_to_remove).unlink(missing_ok=True)

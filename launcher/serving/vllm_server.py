@@ -25,6 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from launcher.parent_death import die_with_parent_preexec
+from launcher.serving import supervisor
 from launcher.serving.openai_client import OpenAIClient, ServerError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,7 +77,6 @@ def parse_spec_counters(text: str) -> dict:
 # A vLLM log line's prefix: "(EngineCore pid=7) ERROR 12-05 08:22:17 [core.py:1512] ".
 _PREFIX = re.compile(r"^(\([^)]*\)\s*)?((?P<level>[A-Z]+) \d\d-\d\d [\d:.]+ \[[^\]]*\]\s?)?")
 _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b|Killed|out of memory")
-SUPERVISOR_LINE = "[supervisor "   # launcher/serving/supervisor.py's lines: what follows is the teardown's
 
 
 def log_excerpt(text: str, *, errors: int = 8, tail: int = 5) -> str:
@@ -85,7 +85,7 @@ def log_excerpt(text: str, *, errors: int = 8, tail: int = 5) -> str:
     last `errors` of them, then the last `tail` lines, all from before the supervisor's line saying
     the server exited or is being stopped (the errors after it are the teardown's own), and that line."""
     lines = text.splitlines()
-    end = next((k for k, line in enumerate(lines) if line.startswith(SUPERVISOR_LINE)), len(lines))
+    end = next((k for k, line in enumerate(lines) if line.startswith(supervisor.LINE_PREFIX)), len(lines))
     messages = [(_PREFIX.match(line), line) for line in lines[:end]]
     messages = [(prefix.group("level"), line[prefix.end():]) for prefix, line in messages]
     groups: dict[str, list[int]] = {}   # an error's words (its last occurrence) -> its lines, frame first
@@ -159,11 +159,11 @@ class VllmServer:
         # Local paths only: a tiny target or an export must never be looked up on a hub.
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                "DO_NOT_TRACK": "1", **self.env}
-        supervisor = [sys.executable, "-m", "launcher.serving.supervisor", str(self.stop_grace_s),
+        supervised = [sys.executable, "-m", supervisor.__name__, str(self.stop_grace_s),
                       *(["--log-to-remove", str(self.log_path)] if self.temporary_log else []), "--"]
         with open(self.log_path, "w") as log:
             # SIGHUP, not SIGKILL, when this thread dies: the supervisor stops the tree, then itself.
-            self.process = subprocess.Popen([*supervisor, *self.command, "--port", str(port)], stdout=log,
+            self.process = subprocess.Popen([*supervised, *self.command, "--port", str(port)], stdout=log,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                             start_new_session=True,
                                             preexec_fn=die_with_parent_preexec(signal.SIGHUP))
