@@ -22,8 +22,9 @@ from launcher.serving.vllm_server import SERVER_MODULE, ServerError, VllmServer,
 from tests import served
 from tests.launching import REPO
 
-# How long a process of a stopped tree may take to be gone: the supervisor's SIGTERM grace (set
-# below), its SIGKILL pass, and a loaded 2-core machine; a killed process goes within milliseconds.
+# How long a process of a stopped tree may take to be gone: the supervisor's SIGTERM grace (2 s for
+# the stand-ins, 30 s for vLLM), its SIGKILL pass, and a loaded 2-core machine; a killed process goes
+# within milliseconds.
 GONE_WITHIN_S = 60.0
 
 # A server's stand-in: a child in its process group, a grandchild that leaves the group and its
@@ -77,41 +78,30 @@ def _command_line(pid: int) -> str:
         return "(gone)"
 
 
-def _process_named(supervisor: int, name: bytes) -> int:
-    """The process below the supervisor whose command line holds `name` (the supervisor's holds the server's)."""
-    return next(pid for pid in descendants(supervisor) if name in _command_line(pid).encode())
-
-
-def _supervisor_of(command: int, deadline_s: float = 60.0) -> int:
+def _process_named(root: int, name: str, deadline_s: float = 60.0) -> int:
+    """The process below `root` whose command line holds `name` (the supervisor's holds the server's), once there."""
     deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        for pid in descendants(command):
-            try:
-                if b"launcher.serving.supervisor" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    return pid
-            except OSError:
-                continue
+    while not (found := [pid for pid in descendants(root) if name in _command_line(pid)]):
+        assert time.monotonic() < deadline, f"no {name!r} below pid {root} within {deadline_s:.0f} s"
         time.sleep(0.2)
-    raise AssertionError(f"no supervisor started below pid {command} within {deadline_s:.0f} s")
+    return found[0]
 
 
-def complete_tree(supervisor: int, needed: tuple[bytes, ...], deadline_s: float = 60.0) -> dict[int, str]:
+def _supervisor_of(command: int) -> int:
+    return _process_named(command, "launcher.serving.supervisor")
+
+
+def complete_tree(supervisor: int, needed: tuple[str, ...], deadline_s: float = 60.0) -> dict[int, str]:
     """The server's tree once a process of each `needed` command line is in it (before, a shell's
-    short-lived forks come and go); those processes and the supervisor."""
-    deadline = time.monotonic() + deadline_s
-    while True:
-        tree = server_tree(supervisor)
-        lines = {pid: _command_line(pid).encode() for pid in tree}
-        found = {pid for pid, line in lines.items() for name in needed if name in line}
-        missing = [name for name in needed if not any(name in line for line in lines.values())]
-        if not missing or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert not missing, f"no {missing} among the server's processes: {list(lines.values())}"
-    return {pid: start for pid, start in tree.items() if pid in found or pid == supervisor}
+    short-lived forks come and go): those processes and the supervisor, pid -> start time."""
+    for name in needed:
+        _process_named(supervisor, name, deadline_s)
+    tree = server_tree(supervisor)
+    return {pid: start for pid, start in tree.items()
+            if pid == supervisor or any(name in _command_line(pid) for name in needed)}
 
 
-SLEEPS = (b"sleep 300", b"sleep 301", b"sleep 302")   # FAKE_SERVER's
+SLEEPS = ("sleep 300", "sleep 301", "sleep 302")   # FAKE_SERVER's
 
 
 # ----------------------------------------------------------------------------- with a stand-in server
@@ -128,10 +118,12 @@ time.sleep(600)
 def test_sigkill_of_the_command_takes_the_whole_tree_and_the_temporary_log(tmp_path):
     command = subprocess.Popen([sys.executable, "-c", _COMMAND, _fake_python(tmp_path)], cwd=REPO,
                                stdout=subprocess.PIPE, text=True)
-    log = Path(command.stdout.readline().strip())
-    tree = complete_tree(_supervisor_of(command.pid), SLEEPS)
-    command.kill()
-    command.wait()
+    try:
+        log = Path(command.stdout.readline().strip())
+        tree = complete_tree(_supervisor_of(command.pid), SLEEPS)
+    finally:
+        command.kill()
+        command.wait()
     assert not still_alive(tree)
     assert not log.exists(), "the temporary log of a server whose command died is left behind"
 
@@ -170,7 +162,7 @@ def test_a_request_failing_because_the_server_died_says_the_server_died(tmp_path
     with pytest.raises(ServerError, match=r"(?s)the vllm serve this command started .* died with exit code 137 "
                                           r"\(killed by SIGKILL\).*what the server said before it died") as failure:
         with VllmServer(tmp_path, python=fake, stop_grace_s=2) as client:
-            os.kill(_process_named(_supervisor_of(os.getpid()), b"--port"), signal.SIGKILL)
+            os.kill(_process_named(_supervisor_of(os.getpid()), "--port"), signal.SIGKILL)
             raise ServerDown(f"POST {client.url}/v1/completions: Remote end closed connection without response")
     assert isinstance(failure.value.__cause__, ServerDown)
     log = Path(str(failure.value).split("its log ", 1)[1].split(" that matter", 1)[0])
@@ -295,11 +287,11 @@ def _end_each_way(runs: dict, tmp_path: Path) -> None:
         assert command.poll() is None and _answered(output) >= 2, f"{ending}: not mid-run:\n{err[-3000:]}"
         supervisors[ending] = _supervisor_of(command.pid)
         # The API server (the supervisor's child), its engine core, the engine's worker, the resource tracker.
-        complete_tree(supervisors[ending], (b"VLLM::EngineCore", b"VLLM::Worker", b"resource_tracker"))
+        complete_tree(supervisors[ending], ("VLLM::EngineCore", "VLLM::Worker", "resource_tracker"))
         trees[ending] = server_tree(supervisors[ending])
     for ending, (command, _) in runs.items():
         if ending == "server died":   # the API server, not what it started
-            os.kill(_process_named(supervisors[ending], SERVER_MODULE.encode()), signal.SIGKILL)
+            os.kill(_process_named(supervisors[ending], SERVER_MODULE), signal.SIGKILL)
         else:
             command.send_signal(getattr(signal, ending))
     for ending, (command, output) in runs.items():
