@@ -1,14 +1,16 @@
-"""What every command line shares: `--help`, `--cfg job|all`, `--info`, the multirun answer, and the
-one way a failing process reports and exits.
+"""What every command line shares: `--help`, `--cfg job|all`, `--info`, the multirun answer, the
+one way a failing process reports and exits, and SIGTERM handled as SIGINT where servers run.
 
 The commands compose their config with hydra's compose API (every rank under torchrun composes
 it alone), so hydra's own `@hydra.main` flags are provided here, in the same words.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -153,9 +155,51 @@ def exit_failed(exc: BaseException) -> None:
     os._exit(1)
 
 
+# ----------------------------------------------------------------------------------- signals
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGINT, raised in the main thread (stop_on_signals) so that every `finally` runs and
+    the servers a command started stop. `left`: what the command leaves and how to resume, set on the
+    way out by the code that knows."""
+
+    def __init__(self, signum: int, left: str = ""):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.left = signum, left
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """SIGTERM (what `timeout`, `kill` and job schedulers send) handled as SIGINT is: Stopped raised in the
+    main thread, once (a second signal during the bounded teardown is ignored). The handlers before
+    are restored on leaving."""
+    stops = (signal.SIGTERM, signal.SIGINT)
+    before = {stop: signal.getsignal(stop) for stop in stops}
+
+    def handler(signum, frame):
+        for stop in stops:
+            signal.signal(stop, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    for stop in stops:
+        signal.signal(stop, handler)
+    try:
+        yield
+    finally:
+        for stop, previous in before.items():
+            signal.signal(stop, previous)
+
+
+def report_stopped(exc: KeyboardInterrupt) -> int:
+    """Say that a signal stopped the command, and what it leaves; the exit code (128 + the signal)."""
+    signum = getattr(exc, "signum", signal.SIGINT)
+    left = getattr(exc, "left", "")
+    log.warning("stopped by %s%s", signal.Signals(signum).name, f": {left}" if left else "")
+    return 128 + signum
+
+
 def run_main(run, config_name: str, usage: str, argv: list[str] | None = None) -> None:
     """Parse the flags, run `run(overrides)`, and on failure log it (role and rank in every line),
-    let peers report too, and exit non-zero at once. argv: default sys.argv[1:]. Under torchrun the
+    let peers report too, and exit non-zero at once; SIGINT (or Stopped) is said in one line and exits
+    128 + the signal. argv: default sys.argv[1:]. Under torchrun the
     process first asks the kernel to kill it when torchrun dies, whichever command it runs."""
     from launcher.run_io.rundir import setup_logging
     if "LOCAL_RANK" in os.environ:
@@ -168,7 +212,14 @@ def run_main(run, config_name: str, usage: str, argv: list[str] | None = None) -
         if isinstance(exc, SystemExit):
             raise
         import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():
+        distributed = dist.is_available() and dist.is_initialized()
+        if isinstance(exc, KeyboardInterrupt):   # a signal, not a failure: no traceback
+            code = report_stopped(exc)
+            if distributed:
+                logging.shutdown()
+                os._exit(code)
+            raise SystemExit(code) from None
+        if distributed:
             exit_failed(exc)
         report_failure(exc)
         _let_peers_report()

@@ -175,8 +175,14 @@ def run(overrides: list[str]) -> int:
     ev = cfg.evaluate
     output = check_output(ev)
     if ev.engine == "vllm":
+        from launcher.cli import stop_on_signals
         from launcher.serving.served_evaluate import evaluate_served
-        summary = evaluate_served(cfg)
+        try:
+            with stop_on_signals():   # SIGTERM too stops the servers
+                summary = evaluate_served(cfg)
+        except KeyboardInterrupt as stopped:
+            stopped.left = f"no result was written to {output}; run the same command again to evaluate"
+            raise
     else:
         summary = evaluate(cfg)
     output.parent.mkdir(parents=True, exist_ok=True)

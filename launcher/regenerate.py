@@ -51,8 +51,10 @@ def run(overrides: list[str]) -> int:
     if cfg.regenerate.engine == "hf":
         from launcher.regeneration.hf import run_hf
         return run_hf(cfg, rank, world)
+    from launcher.cli import stop_on_signals
     from launcher.regeneration.served import run_served
-    return run_served(cfg)
+    with stop_on_signals():   # SIGTERM too stops the servers and says what is left
+        return run_served(cfg)
 
 
 def main() -> None:

@@ -69,7 +69,7 @@ def _fake_vllm(tmp_path, body: str):
 
 def test_a_server_that_exits_early_reports_its_log_tail(tmp_path):
     fake = _fake_vllm(tmp_path, 'echo "ValueError: DFlash does not support this model"; exit 3')
-    with pytest.raises(ServerError, match=r"(?s)exited with code 3.*DFlash does not support this model"):
+    with pytest.raises(ServerError, match=r"(?s)before it was ready \(exit code 3;.*DFlash does not support this"):
         VllmServer(tmp_path, python=fake, log_path=tmp_path / "log").start()
 
 
@@ -77,16 +77,17 @@ _SERVER_PROCESS_PROBE = """
 import ctypes, os
 death_signal = ctypes.c_int()
 ctypes.CDLL("libc.so.6").prctl(2, ctypes.byref(death_signal))   # PR_GET_PDEATHSIG
-print(f"parent death signal {death_signal.value}, session leader {os.getsid(0) == os.getpid()}")
+print(f"parent death signal {death_signal.value}, under a session leader {os.getsid(0) == os.getppid()}")
 raise SystemExit(3)
 """
 
 
-def test_the_server_leads_its_own_process_group_and_dies_with_this_process(tmp_path):
+def test_the_server_runs_under_a_supervisor_leading_its_own_session_and_dies_with_it(tmp_path):
+    # tests/test_server_lifecycle.py: the supervisor takes the server's whole tree along.
     probe = tmp_path / "python"
     probe.write_text(f"#!{sys.executable}\n{_SERVER_PROCESS_PROBE}")
     probe.chmod(0o755)
-    with pytest.raises(ServerError, match=f"parent death signal {int(signal.SIGKILL)}, session leader True"):
+    with pytest.raises(ServerError, match=f"parent death signal {int(signal.SIGKILL)}, under a session leader True"):
         VllmServer(tmp_path, python=str(probe), log_path=tmp_path / "log").start()
 
 

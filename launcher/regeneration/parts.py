@@ -178,7 +178,8 @@ class PartWriter:
         os.fsync(self._file.fileno())
 
     def close(self) -> None:
-        self._file.close()
+        with self._lock:   # a record being written is finished first; one written after fails, not torn
+            self._file.close()
 
     def __enter__(self) -> PartWriter:
         return self

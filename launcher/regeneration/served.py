@@ -42,6 +42,7 @@ from launcher.regeneration.parts import (
     output_record,
     parts_dir,
     prepare_parts,
+    read_part,
     template_kwargs,
 )
 from launcher.serving.openai_client import OpenAIClient, RequestRefused, ServerDown
@@ -154,14 +155,18 @@ def answer_all(clients: list[OpenAIClient], prompts: list[Prompt], requests: Req
     bar = tqdm(total=len(prompts), unit=" prompts", desc="regenerating", file=sys.stderr, mininterval=1.0,
                dynamic_ncols=True)
 
+    leaving = threading.Event()   # the main thread left (a signal, an error): take no more prompts
+
     def work(client: OpenAIClient) -> None:
-        while client.url not in outcome.down and not outcome.crashed:
+        while client.url not in outcome.down and not outcome.crashed and not leaving.is_set():
             try:
                 prompt = pending.get_nowait()
             except queue.Empty:
                 return
             try:
                 conversation, tokens, unfinished = requests.converse(client, prompt)
+                if conversation is not None:
+                    writer.write(prompt.index, output_record(prompt, conversation))
             except RequestRefused as err:
                 with lock:
                     outcome.refused[prompt.index] = str(err)
@@ -169,15 +174,16 @@ def answer_all(clients: list[OpenAIClient], prompts: list[Prompt], requests: Req
                 continue
             except ServerDown as err:
                 pending.put(prompt)   # another server may answer it
+                if leaving.is_set():   # stopped by this run, not down
+                    return
                 with lock:
                     outcome.down.setdefault(client.url, str(err))
                 log.warning("server %s is down: %s", client.url, err)
                 return
             except BaseException as err:  # noqa: BLE001 - raised again in the main thread
-                outcome.crashed.append(err)
+                if not leaving.is_set():   # else the run is stopping: its servers going, its writer closed
+                    outcome.crashed.append(err)
                 return
-            if conversation is not None:
-                writer.write(prompt.index, output_record(prompt, conversation))
             with lock:
                 (outcome.answered if conversation is not None else outcome.empty).add(prompt.index)
                 outcome.tokens += tokens
@@ -187,11 +193,14 @@ def answer_all(clients: list[OpenAIClient], prompts: list[Prompt], requests: Req
 
     threads = [threading.Thread(target=work, args=(client,), daemon=True, name=f"regenerate-{k}-{slot}")
                for k, client in enumerate(clients) for slot in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    bar.close()
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        leaving.set()
+        bar.close()
     outcome.seconds = time.perf_counter() - started
     if outcome.crashed:
         raise outcome.crashed[0]
@@ -207,6 +216,18 @@ def incomplete(outcome: Outcome, prompts: list[Prompt], resumed: int, parts: Pat
         f"{len(left)} of {len(prompts) + resumed} prompts are left unanswered (ids {named}): every server stopped "
         f"answering ({why}); the {len(outcome.answered) + resumed} answers finished are kept in {parts}; "
         f"run the same command again (with regenerate.resume=true, the default) to answer only those left")
+
+
+def interrupted(exc: BaseException, part: Path, prompts: int) -> None:
+    """On the way out of an interrupted or failed run: parts holding no answer are removed (a failed
+    server start leaves no empty directory), and a signal's Stopped says what is kept and how to resume."""
+    kept = len(read_part(part))
+    if not kept:
+        shutil.rmtree(part.parent, ignore_errors=True)
+    if isinstance(exc, KeyboardInterrupt):
+        exc.left = (f"{kept} of {prompts} prompts answered and kept in {part.parent}; run the same command again "
+                    f"to answer the other {prompts - kept}" if kept else
+                    f"none of the {prompts} prompts was answered; run the same command again")
 
 
 # ----------------------------------------------------------------------------- servers
@@ -234,7 +255,7 @@ def _tensor_parallel_size(args: list[str]) -> int:
 
 @contextlib.contextmanager
 def started_servers(cfg: DictConfig, target: Path):
-    """The URLs of `vllm serve` of the target, one per GPU group (one on CPU), stopped on leaving."""
+    """`vllm serve` of the target (VllmServer), one per GPU group (one on CPU), ready; stopped on leaving."""
     import torch
     from transformers import AutoConfig
 
@@ -258,7 +279,9 @@ def started_servers(cfg: DictConfig, target: Path):
             server.launch()
         log.info("started %d vllm serve of %s (logs %s)", len(servers), target,
                  ", ".join(str(s.log_path) for s in servers))
-        yield [server.wait_ready().url for server in servers]
+        for server in servers:
+            server.wait_ready()
+        yield servers
     finally:
         for server in servers:
             server.stop()
@@ -310,15 +333,23 @@ def run_served(cfg: DictConfig) -> int:
         raise every_prompt_skipped(cfg, stats, [dropped])
     if done:
         log.info("resuming: %d prompts answered before, %d left", len(done), len(todo))
-    outcome = Outcome()
-    with contextlib.ExitStack() as stack:
-        if urls is None and todo:
-            urls = stack.enter_context(started_servers(cfg, target))
-        if todo:
-            writer = stack.enter_context(PartWriter(part))
-            outcome = answer_all(connected(urls, cfg), todo, requests, writer, r.concurrency)
+    outcome, deaths = Outcome(), []
+    try:
+        with contextlib.ExitStack() as stack:
+            servers = stack.enter_context(started_servers(cfg, target)) if urls is None and todo else []
+            urls = urls or [server.url for server in servers]
+            if todo:
+                writer = stack.enter_context(PartWriter(part))
+                outcome = answer_all(connected(urls, cfg), todo, requests, writer, r.concurrency)
+            for server in servers:   # one that died on its own: its exit and its log say why, not the requests
+                if server.url in outcome.down and (died := server.died()):
+                    outcome.down[server.url] = "it died (below)"
+                    deaths.append(died)
+    except BaseException as exc:
+        interrupted(exc, part, len(done) + len(todo))
+        raise
     if outcome.down and len(outcome.answered | outcome.empty | set(outcome.refused)) < len(todo):
-        raise incomplete(outcome, todo, len(done), parts)
+        raise RegenerationIncomplete("\n".join([str(incomplete(outcome, todo, len(done), parts)), *deaths]))
     written = merge_parts(parts, 1, len(prompts), output)
     shutil.rmtree(parts)
     counts = {"answered": len(outcome.answered), "empty": len(outcome.empty), "refused": len(outcome.refused),

@@ -1,0 +1,318 @@
+"""No process of a server the project starts outlives the command that started it: the supervisor
+(launcher/serving/supervisor.py) takes the whole tree along on SIGKILL, SIGTERM and SIGINT of the
+command, and when the server dies on its own; SIGTERM and SIGINT say what is kept and how to resume.
+
+The first tests stand a shell script in for vLLM's python (a tree of `sleep`s, one of them escaped
+into a session of its own, as a daemon would); the last one runs `launcher.regenerate
+regenerate.engine=vllm` with a real `vllm serve` (make vllm-env) four times side by side, one per
+way of ending, so the servers load once together."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher.serving.supervisor import descendants
+from launcher.serving.vllm_server import SERVER_MODULE, ServerError, VllmServer, log_excerpt
+from tests import served
+from tests.launching import REPO
+
+# How long a process of a stopped tree may take to be gone: the supervisor's SIGTERM grace (2 s for
+# the stand-ins, 30 s for vLLM), its SIGKILL pass, and a loaded 2-core machine; a killed process goes
+# within milliseconds.
+GONE_WITHIN_S = 60.0
+
+# A server's stand-in: a child in its process group, a grandchild that leaves the group and its
+# parent (setsid, as a daemon does; adopted by the supervisor), an error far above the log's end.
+FAKE_SERVER = """#!/bin/sh
+sleep 300 &
+(setsid sleep 301 &)
+echo "ValueError: the root cause, far above the end"
+i=0; while [ $i -lt 60 ]; do echo "shutting down $i"; i=$((i+1)); done
+exec sleep 302
+"""
+
+
+def _fake_python(tmp_path: Path, body: str = FAKE_SERVER) -> str:
+    script = tmp_path / "python"
+    script.write_text(body)
+    script.chmod(0o755)
+    return str(script)
+
+
+def _start_time(pid: int) -> str | None:
+    """The kernel's start time of a live (not zombie) process: a pid the system reused is another process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    return None if fields[0] == "Z" else fields[19]
+
+
+def server_tree(supervisor: int) -> dict[int, str]:
+    """pid -> start time of the supervisor and every process below it."""
+    return {pid: start for pid in [supervisor, *descendants(supervisor)] if (start := _start_time(pid))}
+
+
+def still_alive(tree: dict[int, str], within_s: float = GONE_WITHIN_S) -> list[str]:
+    """The processes of `tree` still alive after waiting up to within_s for them to go (their command lines)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        alive = [pid for pid, start in tree.items() if _start_time(pid) == start]
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    return [f"{pid}: {_command_line(pid)}" for pid in alive]
+
+
+def _command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "(gone)"
+
+
+def _process_named(root: int, name: str, deadline_s: float = 60.0) -> int:
+    """The process below `root` whose command line holds `name` (the supervisor's holds the server's), once there."""
+    deadline = time.monotonic() + deadline_s
+    while not (found := [pid for pid in descendants(root) if name in _command_line(pid)]):
+        assert time.monotonic() < deadline, f"no {name!r} below pid {root} within {deadline_s:.0f} s"
+        time.sleep(0.2)
+    return found[0]
+
+
+def _supervisor_of(command: int) -> int:
+    return _process_named(command, "launcher.serving.supervisor")
+
+
+def complete_tree(supervisor: int, needed: tuple[str, ...], deadline_s: float = 60.0) -> dict[int, str]:
+    """The server's tree once a process of each `needed` command line is in it (before, a shell's
+    short-lived forks come and go): those processes and the supervisor, pid -> start time."""
+    for name in needed:
+        _process_named(supervisor, name, deadline_s)
+    tree = server_tree(supervisor)
+    return {pid: start for pid, start in tree.items()
+            if pid == supervisor or any(name in _command_line(pid) for name in needed)}
+
+
+SLEEPS = ("sleep 300", "sleep 301", "sleep 302")   # FAKE_SERVER's
+
+
+# ----------------------------------------------------------------------------- with a stand-in server
+_COMMAND = """
+import sys, time
+from launcher.serving.vllm_server import VllmServer
+server = VllmServer("/nonexistent", python=sys.argv[1], stop_grace_s=2)
+server.launch()
+print(server.log_path, flush=True)
+time.sleep(600)
+"""
+
+
+def test_sigkill_of_the_command_takes_the_whole_tree_and_the_temporary_log(tmp_path):
+    command = subprocess.Popen([sys.executable, "-c", _COMMAND, _fake_python(tmp_path)], cwd=REPO,
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        log = Path(command.stdout.readline().strip())
+        tree = complete_tree(_supervisor_of(command.pid), SLEEPS)
+    finally:
+        command.kill()
+        command.wait()
+    assert not still_alive(tree)
+    assert not log.exists(), "the temporary log of a server whose command died is left behind"
+
+
+def test_a_server_that_dies_on_its_own_is_named_with_its_log_and_leaves_nothing(tmp_path):
+    server = VllmServer(tmp_path, python=_fake_python(tmp_path), stop_grace_s=2)
+    server.launch()
+    try:
+        tree = complete_tree(server.process.pid, SLEEPS)
+        os.kill(_process_named(server.process.pid, SLEEPS[2]), signal.SIGKILL)   # the server, not what it started
+        died = server.died()
+        assert not still_alive(tree)
+    finally:
+        server.stop()
+    assert died is not None and "died with exit code 137 (killed by SIGKILL)" in died
+    assert f"its log {server.log_path} that matter" in died and "ValueError: the root cause" in died
+    assert server.log_path.exists(), "the log an error names is removed"
+
+
+_HEALTHY_SERVER = """
+import sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+print("RuntimeError: what the server said before it died", flush=True)
+HTTPServer(("127.0.0.1", int(sys.argv[sys.argv.index("--port") + 1])), Health).serve_forever()
+"""
+
+
+def test_a_request_failing_because_the_server_died_says_the_server_died(tmp_path):
+    from launcher.serving.openai_client import ServerDown
+
+    fake = _fake_python(tmp_path, f"#!{sys.executable}\n{_HEALTHY_SERVER}")
+    with pytest.raises(ServerError, match=r"(?s)the vllm serve this command started .* died with exit code 137 "
+                                          r"\(killed by SIGKILL\).*what the server said before it died") as failure:
+        with VllmServer(tmp_path, python=fake, stop_grace_s=2) as client:
+            os.kill(_process_named(_supervisor_of(os.getpid()), "--port"), signal.SIGKILL)
+            raise ServerDown(f"POST {client.url}/v1/completions: Remote end closed connection without response")
+    assert isinstance(failure.value.__cause__, ServerDown)
+    log = Path(str(failure.value).split("its log ", 1)[1].split(" that matter", 1)[0])
+    assert log.is_file(), "the log the error names is gone"
+    log.unlink()
+
+
+def test_stop_kills_the_group_when_its_leader_is_gone(tmp_path):
+    server = VllmServer(tmp_path, python=_fake_python(tmp_path), log_path=tmp_path / "log", stop_grace_s=2)
+    server.launch()
+    tree = complete_tree(server.process.pid, SLEEPS)
+    escaped = [pid for pid in tree if os.getsid(pid) != server.process.pid]   # out of the group: not stop()'s
+    os.kill(server.process.pid, signal.SIGKILL)   # the supervisor, killed before it could stop anything
+    server.process.wait()
+    try:
+        time.sleep(1.0)   # the server goes with the supervisor (its parent-death signal); what it started stays
+        group = {pid: start for pid, start in tree.items() if pid not in escaped and _start_time(pid) == start}
+        assert group, "nothing of the group outlived its leader: nothing to test"
+        server.stop()
+        assert not still_alive(group)
+    finally:
+        for pid in escaped:
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_server_stopped_by_this_process_leaves_nothing_and_removes_its_temporary_log(tmp_path):
+    server = VllmServer(tmp_path, python=_fake_python(tmp_path), stop_grace_s=2)
+    server.launch()
+    tree = complete_tree(server.process.pid, SLEEPS)
+    server.stop()
+    assert not still_alive(tree, within_s=0)   # stop() returns once they are gone
+    assert server.died() is None and not server.log_path.exists()
+
+
+def test_the_log_excerpt_keeps_the_root_cause_far_above_the_end_and_not_the_teardowns_noise():
+    worker = "(Worker pid=7) ERROR 12-05 08:24:29 [executor.py:953] "
+    core = "(EngineCore pid=6) ERROR 12-05 08:24:34 [core.py:1510] "
+    log = ["(APIServer pid=5) INFO 12-05 08:23:42 [api_server.py:1] loading"] * 5 + [
+        f"{worker}WorkerProc failed to start.",
+        f"{worker}Traceback (most recent call last):",
+        f'{worker}  File "/v/weight_utils.py", line 1208, in safetensors_weights_iterator',
+        f'{worker}    with safe_open(st_file, framework="pt") as f:',
+        f"{worker}         ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^",
+        f"{worker}safetensors._safetensors_rust.SafetensorError: Error while deserializing header: incomplete metadata",
+        *(f"{core}  File \"/v/core.py\", line {k}, in f{k}" for k in range(100)),
+        f"{core}Exception: WorkerProc initialization failed due to an exception in a background process.",
+        "RuntimeError: Engine core initialization failed. See root cause above.",
+        "[supervisor 9] the server (pid 10) exited with code 1; stopping the processes it left",
+        *(f"{core}RuntimeError: cancelled {k}" for k in range(30)),   # the teardown's own
+    ]
+    excerpt = log_excerpt("\n".join(log))
+    assert [line for line in excerpt.splitlines() if "SafetensorError" in line or "weight_utils" in line] == \
+        [log[7], log[10]], "the root cause with the frame it was raised in"
+    assert log[5] in excerpt and log[-31] in excerpt and excerpt.endswith(log[-31])
+    assert "cancelled" not in excerpt and "line 50," not in excerpt
+
+
+def test_a_failed_server_start_names_its_log_and_leaves_no_parts(tmp_path, tiny_target_dir):
+    from dflash_core.target.tiny import BUNDLED_DATASET
+    from launcher.regenerate import run
+
+    fake = _fake_python(tmp_path, '#!/bin/sh\necho "ValueError: no DFlash for this model"\n'
+                                  'i=0; while [ $i -lt 60 ]; do echo "noise $i"; i=$((i+1)); done; exit 2\n')
+    output = tmp_path / "out" / "regen.jsonl"
+    with pytest.raises(ServerError, match=r"(?s)exited before it was ready \(exit code 2; log (\S+)\).*"
+                                          r"ValueError: no DFlash for this model") as failure:
+        run([f"target.path={tiny_target_dir}", f"regenerate.input={BUNDLED_DATASET}", f"regenerate.output={output}",
+             "regenerate.engine=vllm", f"regenerate.vllm_python={fake}", "regenerate.limit=2"])
+    log = Path(str(failure.value).split("; log ", 1)[1].split(")", 1)[0])
+    try:
+        assert log.is_file(), "the log the error names is gone"
+    finally:
+        log.unlink(missing_ok=True)
+    assert not output.with_name(output.name + ".parts").exists() and not output.exists()
+
+
+# ----------------------------------------------------------------------------- a real vLLM server
+ENDINGS = ("SIGKILL", "SIGTERM", "SIGINT", "server died")
+
+
+def _regenerate(target: Path, root: Path, name: str) -> tuple[subprocess.Popen, Path]:
+    """launcher.regenerate regenerate.engine=vllm of more prompts than it can answer before the test
+    stops it, one conversation at a time; its output goes to root/name.err."""
+    from dflash_core.target.tiny import BUNDLED_DATASET
+    output = root / f"{name}.jsonl"
+    err = open(root / f"{name}.err", "w")
+    command = subprocess.Popen(
+        [sys.executable, "-m", "launcher.regenerate", f"target.path={target}", f"regenerate.input={BUNDLED_DATASET}",
+         f"regenerate.output={output}", "regenerate.engine=vllm", "regenerate.max_new_tokens=64",
+         "regenerate.device=cpu", "regenerate.concurrency=1", "regenerate.max_retries=1",
+         "regenerate.retry_backoff_s=0.1", f"regenerate.vllm_args=[{','.join(served.SERVER_ARGS)}]"],
+        cwd=REPO, stdout=err, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    err.close()
+    return command, output
+
+
+def _answered(output: Path) -> int:
+    part = output.with_name(output.name + ".parts") / "rank00000.jsonl"
+    return len(part.read_text().splitlines()) if part.exists() else 0
+
+
+@pytest.mark.xdist_group("vllm")
+@pytest.mark.timeout(1800)
+def test_no_process_of_a_started_vllm_server_outlives_regenerate(tiny_target_dir, tmp_path):
+    served.require_vllm_env()
+    runs = {ending: _regenerate(tiny_target_dir, tmp_path, ending.replace(" ", "_")) for ending in ENDINGS}
+    try:
+        _end_each_way(runs, tmp_path)
+    finally:   # a failed check leaves no command behind (each takes its servers along)
+        for command, _ in runs.values():
+            command.kill()
+            command.wait()
+
+
+def _end_each_way(runs: dict, tmp_path: Path) -> None:
+    trees, supervisors = {}, {}
+    for ending, (command, output) in runs.items():   # mid-run: answers on disk, more to come
+        deadline = time.monotonic() + 1200
+        while _answered(output) < 2 and command.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        err = (tmp_path / f"{ending.replace(' ', '_')}.err").read_text()
+        assert command.poll() is None and _answered(output) >= 2, f"{ending}: not mid-run:\n{err[-3000:]}"
+        supervisors[ending] = _supervisor_of(command.pid)
+        # The API server (the supervisor's child), its engine core, the engine's worker, the resource tracker.
+        complete_tree(supervisors[ending], ("VLLM::EngineCore", "VLLM::Worker", "resource_tracker"))
+        trees[ending] = server_tree(supervisors[ending])
+    for ending, (command, _) in runs.items():
+        if ending == "server died":   # the API server, not what it started
+            os.kill(_process_named(supervisors[ending], SERVER_MODULE), signal.SIGKILL)
+        else:
+            command.send_signal(getattr(signal, ending))
+    for ending, (command, output) in runs.items():
+        code = command.wait(timeout=300)
+        err = (tmp_path / f"{ending.replace(' ', '_')}.err").read_text()
+        assert not still_alive(trees[ending]), f"{ending}: processes of the server outlived the command"
+        parts = output.with_name(output.name + ".parts")
+        if ending in ("SIGTERM", "SIGINT"):
+            kept = _answered(output)
+            assert code == 128 + getattr(signal, ending), err[-3000:]
+            assert f"stopped by {ending}: {kept} of " in err and f"prompts answered and kept in {parts}; run the " \
+                   f"same command again" in err, err[-3000:]
+            assert "Traceback" not in err, err[-3000:]
+        elif ending == "server died":
+            assert code == 1, err[-3000:]
+            assert "the vllm serve this command started" in err and "died with exit code 137 (killed by SIGKILL)" \
+                in err and "kept in" in err, err[-3000:]
+        logs = [word.strip("(),") for line in err.splitlines() if "vllm serve of" in line
+                for word in line.split() if word.strip("(),").endswith(".log")]
+        assert logs, err[-3000:]
+        for log in logs:   # a temporary log is kept only where an error names it
+            assert Path(log).exists() == (ending == "server died"), f"{ending}: {log}"
+            if ending == "server died":
+                Path(log).unlink()
