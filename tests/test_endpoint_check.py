@@ -102,11 +102,10 @@ def test_an_endpoint_speculating_with_another_drafter_is_refused_naming_both(ser
     assert f"evaluate.endpoint: the server at {served_qwen3.speculative.url} speculates with " \
            f"'{served_qwen3.export}' (method 'dflash', 7 draft tokens), not with evaluate.drafter='{other}' " \
            f"(other weights: model.safetensors sha256" in said
-    assert "Served acceptance length (vLLM's counters" not in (other / "README.md").read_text()
 
 
 def test_the_card_records_the_endpoint_and_only_a_checked_drafters_figures(served_qwen3, tmp_path, monkeypatch,
-                                                                           capfd):
+                                                                           caplog):
     """Without vLLM's development mode the server says only its draft length: a block size that differs
     is refused, one that agrees is evaluated, but the card is left alone. Said which drafter it serves
     (here a copy of evaluate.drafter), the card records the figures and the endpoint they came from."""
@@ -121,12 +120,12 @@ def test_the_card_records_the_endpoint_and_only_a_checked_drafters_figures(serve
         check_serves_drafter(client, small, 4, "evaluate.endpoint")
     before = read_card_info(drafter)
     output = tmp_path / "served.json"
-    assert evaluate.run(_evaluate_overrides(served_qwen3.target, drafter, url, f"evaluate.output={output}")) == 0
+    with caplog.at_level("INFO", logger="dflash"):
+        assert evaluate.run(_evaluate_overrides(served_qwen3.target, drafter, url, f"evaluate.output={output}")) == 0
     result = json.loads(output.read_text())
     assert result["drafter_checked"] is False and result["endpoint"] == url and result["tau"] >= 1
     assert read_card_info(drafter) == before
-    err = capfd.readouterr().err
-    assert "does not say which drafter it speculates with" in err and "is not updated" in err
+    assert "does not say which drafter it speculates with" in caplog.text and "is not updated" in caplog.text
 
     monkeypatch.undo()
     assert evaluate.run(_evaluate_overrides(served_qwen3.target, drafter, url, f"evaluate.output={output}",
