@@ -23,7 +23,8 @@ from dflash_core.loss.objective import default_gamma
 from dflash_core.loss.settings import StepSettings
 from dflash_core.target.capture import check_target_files
 from dflash_core.target.families import drafter_config_for_target, text_config
-from dflash_core.target.tiny import BUNDLED_DATASET, first_unused_token_id
+from dflash_core.target.mask_token import MaskTokenError, choose_mask_token
+from dflash_core.target.tiny import BUNDLED_DATASET
 from launcher.config import ConfigError
 from launcher.config.schema import DrafterSettings
 from launcher.distributed.schedule import Schedule
@@ -100,11 +101,26 @@ def resolve_device(setting: str, key: str, local_rank: int = 0) -> torch.device:
 
 
 # ----------------------------------------------------------------------------------- the job
+def mask_token(cfg: DictConfig, hf_config) -> int:
+    """drafter.mask_token_id, `auto` chosen from the target's tokenizer (dflash_core/target/mask_token.py);
+    an id outside the target's vocabulary, or none free, is a ConfigError naming the key."""
+    setting, vocab_size = cfg.drafter.mask_token_id, text_config(hf_config).vocab_size
+    if setting != "auto":
+        if setting >= vocab_size:
+            raise ConfigError(f"drafter.mask_token_id={setting}: outside the target's vocabulary of {vocab_size} "
+                              f"ids (a recipe's id for another target?); use auto or an id below {vocab_size}")
+        return int(setting)
+    from dflash_core.data import load_tokenizer  # a local directory, checked: never a hub lookup
+    try:
+        token_id, why = choose_mask_token(load_tokenizer(tokenizer_dir(cfg)), hf_config)
+    except MaskTokenError as error:
+        raise ConfigError(f"drafter.mask_token_id=auto: {error}; set drafter.mask_token_id=<id>") from None
+    log.info("mask token %d (drafter.mask_token_id=auto): %s", token_id, why)
+    return token_id
+
+
 def drafter_config(cfg: DictConfig, hf_config) -> DrafterConfig:
-    mask_token_id = cfg.drafter.mask_token_id
-    if mask_token_id == "auto":
-        from dflash_core.data import load_tokenizer  # a local directory, checked: never a hub lookup
-        mask_token_id = first_unused_token_id(load_tokenizer(tokenizer_dir(cfg)), hf_config)
+    mask_token_id = mask_token(cfg, hf_config)
     max_positions = text_config(hf_config).max_position_embeddings
     for key in ("max_length", "fixed_length"):
         length = cfg.data[key]
@@ -114,7 +130,7 @@ def drafter_config(cfg: DictConfig, hf_config) -> DrafterConfig:
     overrides = {key: (list(value) if key == "layer_types" else value)
                  for key in _SHAPE_OVERRIDES if (value := cfg.drafter.get(key)) is not None}
     dcfg = drafter_config_for_target(hf_config, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
-                                     mask_token_id=int(mask_token_id), target_layer_ids=ids, **overrides)
+                                     mask_token_id=mask_token_id, target_layer_ids=ids, **overrides)
     if cfg.drafter.kind == "dflash2":
         return DFlash2Config(**dataclasses.asdict(dcfg), **{key: cfg.drafter[key] for key in DFLASH2_KEYS})
     return dcfg

@@ -9,7 +9,7 @@ from dflash_core.loss.settings import StepSettings
 from launcher.config import ConfigError, compose_config
 from launcher.config.schema import DrafterSettings, FaultSettings, OptimSettings
 from launcher.distributed.topology import Topology
-from launcher.resolve import compile_plan, resolve, step_settings
+from launcher.resolve import compile_plan, drafter_config, resolve, step_settings
 
 
 @pytest.mark.parametrize("overrides,backend,compiled,warm_up", [
@@ -59,3 +59,35 @@ def test_step_settings_refuse_an_unresolved_backend_and_an_unknown_loss():
         replace(settings, backend="auto")
     with pytest.raises(ValueError, match="loss='focal'"):
         replace(settings, loss="focal")
+
+
+def _full_table(tmp_path, style, *specials):
+    """A saved tokenizer of `style` (tests/test_chat_formats.py) with `specials` added, and a Qwen3 config
+    whose vocab_size is the tokenizer's size: no spare embedding row (SmolLM2's or Llama 3's table)."""
+    from tests.test_chat_formats import build_tokenizer
+    tokenizer = build_tokenizer(style)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(specials)})
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    cfg = compose_config([f"data.tokenizer={tmp_path / 'tokenizer'}"])
+    return cfg, Qwen3Config(vocab_size=len(tokenizer)), tokenizer
+
+
+def test_a_full_vocabulary_gets_a_special_token_nothing_uses_as_its_mask(tmp_path):
+    # bos, eos and the chat template's header and end-of-turn tokens are all in use: the reserved one is free.
+    cfg, config, tokenizer = _full_table(tmp_path, "llama3", "<|reserved_special_token_0|>", "<|eom_id|>")
+    assert drafter_config(cfg, config).mask_token_id == tokenizer.convert_tokens_to_ids("<|reserved_special_token_0|>")
+
+
+def test_a_full_vocabulary_without_a_free_token_names_the_setting_and_candidates(tmp_path):
+    cfg, config, tokenizer = _full_table(tmp_path, "qwen3")   # pad, and the template's <|im_start|>, <|im_end|>
+    with pytest.raises(ConfigError, match=r"drafter.mask_token_id=auto: .*fills all \d+ embedding rows") as error:
+        drafter_config(cfg, config)
+    last = len(tokenizer) - 1
+    assert f"{last} {tokenizer.convert_ids_to_tokens(last)!r}" in str(error.value)
+
+
+def test_a_mask_token_outside_the_vocabulary_names_the_setting(tmp_path):
+    cfg, config, _ = _full_table(tmp_path, "qwen3")
+    cfg.drafter.mask_token_id = 128002   # the Llama 3 recipe's, on a smaller vocabulary
+    with pytest.raises(ConfigError, match=r"drafter.mask_token_id=128002: outside the target's vocabulary"):
+        drafter_config(cfg, config)

@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_core.target.tiny import BUNDLED_DATASET, build_tiny_target, first_unused_token_id
+from dflash_core.target.mask_token import first_unused_token_id
+from dflash_core.target.tiny import BUNDLED_DATASET, build_tiny_target
 from tests.launching import REPO
 
 

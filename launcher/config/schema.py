@@ -65,8 +65,9 @@ class DrafterSettings:
     num_anchors: int = knob(512, "blocks per row (padded with invalid blocks: one static shape)", ge=1)
     target_layer_ids: Optional[list] = knob(None, "target layers whose outputs feed the drafter (HF numbering); "
                                                   "null: spread evenly (dflash_spec)")
-    mask_token_id: Any = knob("auto", "token id of the masked slots; auto: first unused embedding row of the target",
-                              choices=("auto",), ge=0)
+    mask_token_id: Any = knob("auto", "token id of the masked slots; auto: the target's first unused embedding row, "
+                                      "else (a full table) its first special token that neither bos/eos/pad/unk nor "
+                                      "the chat template uses", choices=("auto",), ge=0)
     backend: str = knob("auto", "attention backend: auto (sdpa on CPU, flex on a GPU) | "
                                 "flex (flex_attention, Triton kernels) | flash (flex_attention, flash-attn-4 kernels: "
                                 "Hopper or newer, the [flash] extra; faster steps at 8B-class shapes, longer cold "
