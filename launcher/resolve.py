@@ -18,11 +18,11 @@ from omegaconf import DictConfig, OmegaConf
 from dflash_core.drafter.attention import FLEX_BACKENDS, resolve_backend
 from dflash_core.drafter.dflash2 import DFLASH_CONFIG_KEYS as DFLASH2_KEYS
 from dflash_core.drafter.dflash2 import DFlash2Config
-from dflash_core.drafter.model import DrafterConfig
+from dflash_core.drafter.model import DrafterConfig, default_target_layer_ids
 from dflash_core.loss.objective import default_gamma
 from dflash_core.loss.settings import StepSettings
 from dflash_core.target.capture import check_target_files
-from dflash_core.target.families import drafter_config_for_target, text_config
+from dflash_core.target.families import drafter_config_for_target, num_layers_of, text_config
 from dflash_core.target.mask_token import MaskTokenError, choose_mask_token
 from dflash_core.target.tiny import BUNDLED_DATASET
 from launcher.config import ConfigError
@@ -119,6 +119,24 @@ def mask_token(cfg: DictConfig, hf_config) -> int:
     return token_id
 
 
+def target_layer_ids(cfg: DictConfig, hf_config) -> list[int]:
+    """drafter.target_layer_ids, or (null) the published drafters' even spread over the target's layer count;
+    ids this target cannot serve (another target's recipe?) are a ConfigError naming the key and the count."""
+    layers, setting = num_layers_of(hf_config), cfg.drafter.target_layer_ids
+    if setting is None:
+        try:
+            return default_target_layer_ids(layers, cfg.drafter.num_layers)
+        except ValueError as error:
+            raise ConfigError(f"drafter.target_layer_ids=null: {error} (one per drafter layer); list the ids, "
+                              f"or lower drafter.num_layers") from None
+    ids = [int(layer_id) for layer_id in setting]
+    if outside := [layer_id for layer_id in ids if not 0 <= layer_id <= layers - 2]:
+        raise ConfigError(f"drafter.target_layer_ids={ids}: the target has {layers} layers, so ids lie in "
+                          f"0..{layers - 2} (serving engines read feature i at the input of layer i + 1: never the "
+                          f"last layer, {layers - 1}); {outside} do not; null derives them from the layer count")
+    return ids
+
+
 def drafter_config(cfg: DictConfig, hf_config) -> DrafterConfig:
     mask_token_id = mask_token(cfg, hf_config)
     max_positions = text_config(hf_config).max_position_embeddings
@@ -126,11 +144,11 @@ def drafter_config(cfg: DictConfig, hf_config) -> DrafterConfig:
         length = cfg.data[key]
         if length is not None and length > max_positions:
             raise ConfigError(f"data.{key}={length} exceeds the target's max_position_embeddings ({max_positions})")
-    ids = list(cfg.drafter.target_layer_ids) if cfg.drafter.target_layer_ids is not None else None
     overrides = {key: (list(value) if key == "layer_types" else value)
                  for key in _SHAPE_OVERRIDES if (value := cfg.drafter.get(key)) is not None}
     dcfg = drafter_config_for_target(hf_config, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
-                                     mask_token_id=mask_token_id, target_layer_ids=ids, **overrides)
+                                     mask_token_id=mask_token_id, target_layer_ids=target_layer_ids(cfg, hf_config),
+                                     **overrides)
     if cfg.drafter.kind == "dflash2":
         return DFlash2Config(**dataclasses.asdict(dcfg), **{key: cfg.drafter[key] for key in DFLASH2_KEYS})
     return dcfg

@@ -2,7 +2,7 @@ from dataclasses import fields, replace
 
 import pytest
 import torch
-from transformers import Qwen3_5TextConfig, Qwen3Config
+from transformers import AutoConfig, LlamaConfig, Qwen3_5TextConfig, Qwen3Config
 
 from dflash_core.loss.objective import default_gamma
 from dflash_core.loss.settings import StepSettings
@@ -91,3 +91,30 @@ def test_a_mask_token_outside_the_vocabulary_names_the_setting(tmp_path):
     cfg.drafter.mask_token_id = 128002   # the Llama 3 recipe's, on a smaller vocabulary
     with pytest.raises(ConfigError, match=r"drafter.mask_token_id=128002: outside the target's vocabulary"):
         drafter_config(cfg, config)
+
+
+def test_target_auto_reads_the_layer_ids_and_the_mask_token_from_the_checkpoint(tmp_path):
+    """target=auto on a 30-layer target with a full vocabulary (SmolLM2's layout): the tiny drafter's two ids
+    spread over its layers, the mask a free special token, the rest from config.json."""
+    _, _, tokenizer = _full_table(tmp_path, "llama3", "<|reserved_special_token_0|>")
+    target = tmp_path / "target"
+    tokenizer.save_pretrained(target)
+    LlamaConfig(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                vocab_size=len(tokenizer)).save_pretrained(target)
+    cfg = compose_config(["target=auto", f"target.path={target}"])
+    dcfg = drafter_config(cfg, AutoConfig.from_pretrained(target))
+    assert dcfg.target_layer_ids == [1, 27] and dcfg.num_target_layers == 30
+    assert dcfg.mask_token_id == tokenizer.convert_tokens_to_ids("<|reserved_special_token_0|>")
+    assert (dcfg.hidden_size, dcfg.num_attention_heads, dcfg.vocab_size) == (576, 9, len(tokenizer))
+
+
+def test_layer_ids_that_do_not_fit_the_target_name_the_setting_and_the_layer_count():
+    # The Llama 3.1 8B drafter's ids (32 layers) on a 30-layer Llama: 29 is its last layer.
+    cfg = compose_config(["drafter.target_layer_ids=[1,8,15,22,29]", "drafter.mask_token_id=0"])
+    with pytest.raises(ConfigError, match=r"drafter.target_layer_ids=\[1, 8, 15, 22, 29\]: the target has 30 layers, "
+                                          r"so ids lie in 0..28 .*\[29\] do not"):
+        drafter_config(cfg, Qwen3Config(num_hidden_layers=30))
+    # null: 5 distinct ids do not fit before a 4-layer target's last layer
+    cfg = compose_config(["drafter.num_layers=5", "drafter.mask_token_id=0"])
+    with pytest.raises(ConfigError, match=r"target_layer_ids=null: a 4-layer target .* lower drafter.num_layers"):
+        drafter_config(cfg, Qwen3Config(num_hidden_layers=4))

@@ -63,8 +63,9 @@ class DrafterSettings:
     num_layers: int = knob(5, "drafter decoder layers", ge=1)
     block_size: int = knob(16, "tokens drafted per block (slot 0 holds the anchor token)", ge=2)
     num_anchors: int = knob(512, "blocks per row (padded with invalid blocks: one static shape)", ge=1)
-    target_layer_ids: Optional[list] = knob(None, "target layers whose outputs feed the drafter (HF numbering); "
-                                                  "null: spread evenly (dflash_spec)")
+    target_layer_ids: Optional[list] = knob(None, "target layers whose outputs feed the drafter (HF numbering, at "
+                                                  "most the second-to-last); null: one per drafter layer, spread over "
+                                                  "the target's layer count as the published drafters are (1..N-3)")
     mask_token_id: Any = knob("auto", "token id of the masked slots; auto: the target's first unused embedding row, "
                                       "else (a full table) its first special token that neither bos/eos/pad/unk nor "
                                       "the chat template uses", choices=("auto",), ge=0)
