@@ -26,7 +26,7 @@ from dflash_core.target.families import drafter_config_for_target, num_layers_of
 from dflash_core.target.mask_token import MaskTokenError, choose_mask_token
 from dflash_core.target.tiny import BUNDLED_DATASET
 from launcher.config import ConfigError
-from launcher.config.schema import DrafterSettings
+from launcher.config.schema import DataSettings, DrafterSettings
 from launcher.distributed.schedule import Schedule
 from launcher.distributed.topology import Topology
 from launcher.job import CompilePlan, Job, TargetPlan, WarmStart
@@ -137,13 +137,21 @@ def target_layer_ids(cfg: DictConfig, hf_config) -> list[int]:
     return ids
 
 
-def drafter_config(cfg: DictConfig, hf_config) -> DrafterConfig:
-    mask_token_id = mask_token(cfg, hf_config)
-    max_positions = text_config(hf_config).max_position_embeddings
+def data_settings(cfg: DictConfig, hf_config) -> DataSettings:
+    """The `data` section with data.max_length resolved (null: the target's max_position_embeddings, the
+    longest conversation it can take); lengths beyond that are a ConfigError naming the key."""
+    data, max_positions = OmegaConf.to_object(cfg.data), text_config(hf_config).max_position_embeddings
     for key in ("max_length", "fixed_length"):
-        length = cfg.data[key]
+        length = getattr(data, key)
         if length is not None and length > max_positions:
             raise ConfigError(f"data.{key}={length} exceeds the target's max_position_embeddings ({max_positions})")
+    if data.max_length is None:
+        data.max_length = max_positions
+    return data
+
+
+def drafter_config(cfg: DictConfig, hf_config) -> DrafterConfig:
+    mask_token_id = mask_token(cfg, hf_config)
     overrides = {key: (list(value) if key == "layer_types" else value)
                  for key in _SHAPE_OVERRIDES if (value := cfg.drafter.get(key)) is not None}
     dcfg = drafter_config_for_target(hf_config, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
@@ -247,17 +255,18 @@ def check_combinations(cfg: DictConfig) -> None:
     if cfg.run.warm_up is True and cfg.data.fixed_length is None:
         raise ConfigError("run.warm_up=True: needs data.fixed_length (the one shape to compile for)")
     longest, limits = longest_conversation(cfg)
-    if cfg.drafter.block_size > longest:
+    if longest is not None and cfg.drafter.block_size > longest:
         said = "; ".join(f"{key}={longest} {_LENGTH_LIMITS[key]}" for key in limits)
         raise ConfigError(f"drafter.block_size={cfg.drafter.block_size}: a block lies within one conversation (in "
                           f"a packed row, within its document), and no conversation is longer than {longest} tokens "
                           f"({said}); lower drafter.block_size or raise {' and '.join(limits)}")
 
 
-def longest_conversation(cfg: DictConfig) -> tuple[int, list[str]]:
-    """The most tokens of one conversation a row holds, and the keys that set that bound."""
+def longest_conversation(cfg: DictConfig) -> tuple[int | None, list[str]]:
+    """The most tokens of one conversation a row holds, and the keys that set that bound (None, []: only the
+    target's max_position_embeddings, unknown before its config is read)."""
     lengths = {"data.max_length": cfg.data.max_length, "data.fixed_length": cfg.data.fixed_length}
-    longest = min(length for length in lengths.values() if length is not None)
+    longest = min((length for length in lengths.values() if length is not None), default=None)
     return longest, [key for key, length in lengths.items() if length == longest]
 
 
@@ -303,7 +312,7 @@ def resolve(cfg: DictConfig, topology: Topology, device: torch.device) -> Job:
                         tp_size=cfg.target.tp_size, random_weights=cfg.target.random_weights,
                         attention=target_attention(packed, device, hf_config))
     typed = OmegaConf.to_object   # each section as the schema's dataclass
-    data = typed(cfg.data)
+    data = data_settings(cfg, hf_config)
     return Job(topology=topology, device=device, target=target, drafter=dcfg,
                step=step_settings(typed(cfg.drafter), backend, plan.compiled), compile=plan,
                schedule=schedule(cfg, topology), tokenizer_dir=tokenizer_dir(cfg), packing=packed,

@@ -120,7 +120,8 @@ class DataSettings:
     paths: Any = knob(["bundled:tiny_chat"], "local .jsonl/.json/.parquet files or datasets dirs (a string is "
                                              "one path); bundled:tiny_chat is the embedded set")
     tokenizer: Optional[str] = knob(None, "tokenizer directory; null: the target's")
-    max_length: int = knob(2048, "longer conversations are truncated to this many tokens", ge=4)
+    max_length: Optional[int] = knob(None, "longer conversations are truncated to this many tokens (counted, with a "
+                                           "warning); null: the target's max_position_embeddings", ge=4)
     fixed_length: Optional[int] = knob(None, "every row has this length (one static shape, compiled once); "
                                              "null: pad each batch to a multiple of length_multiple", ge=4)
     packing: Optional[bool] = knob(None, "fill fixed-length rows with several whole conversations; "
