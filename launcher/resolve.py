@@ -46,19 +46,29 @@ _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.flo
 
 
 # ----------------------------------------------------------------------------------- paths
+def embedded_target_path(family: str) -> Path:
+    """Where conf/target/tiny*.yaml keep the embedded tiny target of `family`: the only path it is built at."""
+    return Path(".cache") / f"tiny-{family}"
+
+
 def ensure_embedded_target(cfg: DictConfig, seed: int) -> None:
-    """Build the embedded tiny target at target.path when the config asks for it and it is missing."""
-    if cfg.target.build_tiny and not Path(cfg.target.path).is_dir():
+    """Build the embedded tiny target when the config asks for it and target.path, missing, is its own
+    path. Any other missing path (a misspelt target.path left with the default target=tiny) is never filled
+    with a fake target: target_dir refuses it."""
+    own = embedded_target_path(cfg.target.tiny_family)
+    path = Path(cfg.target.path)
+    if cfg.target.build_tiny and not path.is_dir() and path.resolve() == own.resolve():
         from dflash_core.target.tiny import build_tiny_target
-        log.warning("building the embedded tiny %s target at %s", cfg.target.tiny_family, cfg.target.path)
-        build_tiny_target(cfg.target.path, seed=seed, family=cfg.target.tiny_family)
+        log.warning("building the embedded tiny %s target at %s", cfg.target.tiny_family, path)
+        build_tiny_target(path, seed=seed, family=cfg.target.tiny_family)
 
 
 def target_dir(cfg: DictConfig) -> Path:
     path = Path(cfg.target.path)
     if not path.is_dir():
         raise ConfigError(f"target.path={str(path)!r}: no such directory (a local Hugging Face model directory; "
-                          f"target=tiny builds the embedded one there)")
+                          f"the embedded tiny target is built only at its own path, "
+                          f"{embedded_target_path(cfg.target.tiny_family)}, by target=tiny)")
     if not (path / "config.json").is_file():
         raise ConfigError(f"target.path={str(path)!r}: no config.json (not a Hugging Face model directory)")
     return path

@@ -7,12 +7,14 @@ import torch
 from hydra.errors import ConfigCompositionException
 from transformers import AutoTokenizer
 
+import dflash_core.target.tiny as tiny
 from dflash_core.data import DataError, load_samples
 from dflash_core.loss.frozen_head import FrozenTargetHead
 from dflash_core.target.capture import TargetError, load_target
+from launcher import prepare
 from launcher.config import ConfigError, compose_config, config_hash
 from launcher.distributed.topology import Topology, parse_topology
-from launcher.resolve import check_combinations, dataset_paths, resolve, target_dir
+from launcher.resolve import check_combinations, dataset_paths, ensure_embedded_target, resolve, target_dir
 from launcher.roles.target import build_sources
 from launcher.run_io.rundir import prepare_run_dir
 
@@ -30,6 +32,20 @@ def test_missing_target_dir(tmp_path):
     cfg = compose_config([f"target.path={tmp_path / 'nope'}", "target.build_tiny=false"])
     with pytest.raises(ConfigError, match=r"target.path=.*nope.*no such directory"):
         target_dir(cfg)
+
+
+def test_a_misspelt_target_path_is_refused_never_given_the_tiny_target(tmp_path, monkeypatch):
+    """target.path without target=: the default target=tiny builds its embedded target only at its own path."""
+    built = []
+    monkeypatch.setattr(tiny, "build_tiny_target", lambda path, **_: built.append(str(path)))
+    missing = tmp_path / "Qwen3-8b"
+    with pytest.raises(ConfigError, match=r"target.path=.*Qwen3-8b.*no such directory .*only at its own path, "
+                                          r"\.cache/tiny-qwen3"):
+        prepare.run([f"target.path={missing}"])
+    assert built == [] and not missing.exists()
+    monkeypatch.chdir(tmp_path)   # the preset's own (relative) path is still built where it is missing
+    ensure_embedded_target(compose_config(["target=tiny_llama"]), seed=0)
+    assert built == [".cache/tiny-llama"]
 
 
 def test_target_dir_without_weights(tmp_path, tiny_target_dir):

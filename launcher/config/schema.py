@@ -42,7 +42,8 @@ def required(doc: str):
 @dataclass
 class TargetSettings:
     path: str = required("local Hugging Face model directory of the frozen target (config, weights, tokenizer)")
-    build_tiny: bool = knob(False, "build the embedded tiny target at `path` when it is missing (no download)")
+    build_tiny: bool = knob(False, "build the embedded tiny target (no download) when `path` is missing and is its own "
+                                   "path, .cache/tiny-<tiny_family>; never at any other path")
     tiny_family: str = knob("qwen3", "family of the tiny target build_tiny builds",
                             choices=("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "llama", "gpt_oss"))
     dtype: str = knob("auto", "compute dtype: auto (bf16 on GPU, fp32 on CPU)",
