@@ -2,10 +2,11 @@
 ranks and `launcher.prepare` both make, so the same overrides prepare and train."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from dflash_core.data import load_samples
+from dflash_core.data import describe_drops, drop_warning, load_samples
 from dflash_core.data.parallel import default_num_proc
 from launcher.config.schema import DataSettings
 
@@ -19,3 +20,12 @@ def load_run_samples(sources: list[Path], data: DataSettings, tokenizer,
                         on_bad_line=data.on_bad_line, cache_dir=data.cache_dir,
                         chat_template_kwargs=data.chat_template_kwargs, drop_duplicates=data.drop_duplicates,
                         num_proc=data.num_proc or default_num_proc(), progress=progress)
+
+
+def data_report(stats: dict, data: DataSettings) -> tuple[int, str]:
+    """(level, line) of what tokenising kept: a WARNING when records were dropped or truncated, the
+    truncated ones counted with the setting that keeps them whole; INFO when every record was kept whole."""
+    truncated_to = f"data.max_length={data.max_length} tokens (raise data.max_length to keep them whole)"
+    line = drop_warning(stats, truncated_to=truncated_to) or describe_drops(stats, truncated_to)
+    changed = stats.get("kept", 0) < stats.get("read", 0) or stats.get("truncated", 0) > 0
+    return (logging.WARNING if changed else logging.INFO), line

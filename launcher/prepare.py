@@ -31,13 +31,13 @@ def length_histogram(lengths: np.ndarray, width: int = 40) -> list[str]:
     return lines
 
 
-def summary(samples, stats: dict, seconds: float) -> str:
-    from dflash_core.data import describe_drops
+def summary(samples, stats: dict, seconds: float, data) -> str:
+    from launcher.dataset import data_report
     lengths = np.asarray(samples.lengths)
     lines = [f"prepared in {seconds:.1f} s: {stats['kept']} conversations, {stats['tokens']} tokens, "
              f"{stats['supervised_tokens']} supervised "
              f"({stats['supervised_tokens'] / max(stats['tokens'], 1):.1%})",
-             f"  {describe_drops(stats)}",
+             f"  {data_report(stats, data)[1]}",
              f"  lengths: min {int(lengths.min())}, median {int(np.median(lengths))}, "
              f"max {int(lengths.max())} tokens",
              *length_histogram(lengths)]
@@ -45,19 +45,20 @@ def summary(samples, stats: dict, seconds: float) -> str:
 
 
 def run(overrides: list[str]) -> int:
-    from omegaconf import OmegaConf
+    from transformers import AutoConfig
 
     from dflash_core.data import load_tokenizer
     from launcher.config import compose_config
     from launcher.dataset import load_run_samples
-    from launcher.resolve import dataset_paths, ensure_embedded_target, tokenizer_dir
+    from launcher.resolve import data_settings, dataset_paths, ensure_embedded_target, target_dir, tokenizer_dir
 
     cfg = compose_config(overrides)
     ensure_embedded_target(cfg, cfg.run.seed)   # the embedded tiny target's tokenizer, as training builds it
+    data = data_settings(cfg, AutoConfig.from_pretrained(target_dir(cfg)))   # its lengths, as training resolves them
     started = time.perf_counter()
-    samples, stats = load_run_samples(dataset_paths(cfg.data.paths, "data.paths"), OmegaConf.to_object(cfg.data),
+    samples, stats = load_run_samples(dataset_paths(cfg.data.paths, "data.paths"), data,
                                       load_tokenizer(tokenizer_dir(cfg)))
-    print(summary(samples, stats, time.perf_counter() - started))
+    print(summary(samples, stats, time.perf_counter() - started, data))
     print(f"token stores under {cfg.data.cache_dir}: launcher.train with the same target.* and data.* finds them")
     return 0
 

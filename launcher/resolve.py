@@ -18,14 +18,15 @@ from omegaconf import DictConfig, OmegaConf
 from dflash_core.drafter.attention import FLEX_BACKENDS, resolve_backend
 from dflash_core.drafter.dflash2 import DFLASH_CONFIG_KEYS as DFLASH2_KEYS
 from dflash_core.drafter.dflash2 import DFlash2Config
-from dflash_core.drafter.model import DrafterConfig
+from dflash_core.drafter.model import DrafterConfig, default_target_layer_ids
 from dflash_core.loss.objective import default_gamma
 from dflash_core.loss.settings import StepSettings
 from dflash_core.target.capture import check_target_files
-from dflash_core.target.families import drafter_config_for_target, text_config
-from dflash_core.target.tiny import BUNDLED_DATASET, first_unused_token_id
+from dflash_core.target.families import drafter_config_for_target, num_layers_of, text_config
+from dflash_core.target.mask_token import MaskTokenError, choose_mask_token
+from dflash_core.target.tiny import BUNDLED_DATASET
 from launcher.config import ConfigError
-from launcher.config.schema import DrafterSettings
+from launcher.config.schema import DataSettings, DrafterSettings
 from launcher.distributed.schedule import Schedule
 from launcher.distributed.topology import Topology
 from launcher.job import CompilePlan, Job, TargetPlan, WarmStart
@@ -45,19 +46,29 @@ _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.flo
 
 
 # ----------------------------------------------------------------------------------- paths
+def embedded_target_path(family: str) -> Path:
+    """Where conf/target/tiny*.yaml keep the embedded tiny target of `family`: the only path it is built at."""
+    return Path(".cache") / f"tiny-{family}"
+
+
 def ensure_embedded_target(cfg: DictConfig, seed: int) -> None:
-    """Build the embedded tiny target at target.path when the config asks for it and it is missing."""
-    if cfg.target.build_tiny and not Path(cfg.target.path).is_dir():
+    """Build the embedded tiny target when the config asks for it and target.path, missing, is its own
+    path. Any other missing path (a misspelt target.path left with the default target=tiny) is never filled
+    with a fake target: target_dir refuses it."""
+    own = embedded_target_path(cfg.target.tiny_family)
+    path = Path(cfg.target.path)
+    if cfg.target.build_tiny and not path.is_dir() and path.resolve() == own.resolve():
         from dflash_core.target.tiny import build_tiny_target
-        log.warning("building the embedded tiny %s target at %s", cfg.target.tiny_family, cfg.target.path)
-        build_tiny_target(cfg.target.path, seed=seed, family=cfg.target.tiny_family)
+        log.warning("building the embedded tiny %s target at %s", cfg.target.tiny_family, path)
+        build_tiny_target(path, seed=seed, family=cfg.target.tiny_family)
 
 
 def target_dir(cfg: DictConfig) -> Path:
     path = Path(cfg.target.path)
     if not path.is_dir():
         raise ConfigError(f"target.path={str(path)!r}: no such directory (a local Hugging Face model directory; "
-                          f"target=tiny builds the embedded one there)")
+                          f"the embedded tiny target is built only at its own path, "
+                          f"{embedded_target_path(cfg.target.tiny_family)}, by target=tiny)")
     if not (path / "config.json").is_file():
         raise ConfigError(f"target.path={str(path)!r}: no config.json (not a Hugging Face model directory)")
     return path
@@ -100,21 +111,62 @@ def resolve_device(setting: str, key: str, local_rank: int = 0) -> torch.device:
 
 
 # ----------------------------------------------------------------------------------- the job
-def drafter_config(cfg: DictConfig, hf_config) -> DrafterConfig:
-    mask_token_id = cfg.drafter.mask_token_id
-    if mask_token_id == "auto":
-        from dflash_core.data import load_tokenizer  # a local directory, checked: never a hub lookup
-        mask_token_id = first_unused_token_id(load_tokenizer(tokenizer_dir(cfg)), hf_config)
-    max_positions = text_config(hf_config).max_position_embeddings
+def mask_token(cfg: DictConfig, hf_config) -> int:
+    """drafter.mask_token_id, `auto` chosen from the target's tokenizer (dflash_core/target/mask_token.py);
+    an id outside the target's vocabulary, or none free, is a ConfigError naming the key."""
+    setting, vocab_size = cfg.drafter.mask_token_id, text_config(hf_config).vocab_size
+    if setting != "auto":
+        if setting >= vocab_size:
+            raise ConfigError(f"drafter.mask_token_id={setting}: outside the target's vocabulary of {vocab_size} "
+                              f"ids (a recipe's id for another target?); use auto or an id below {vocab_size}")
+        return int(setting)
+    from dflash_core.data import load_tokenizer  # a local directory, checked: never a hub lookup
+    try:
+        token_id, why = choose_mask_token(load_tokenizer(tokenizer_dir(cfg)), hf_config)
+    except MaskTokenError as error:
+        raise ConfigError(f"drafter.mask_token_id=auto: {error}; set drafter.mask_token_id=<id>") from None
+    log.info("mask token %d (drafter.mask_token_id=auto): %s", token_id, why)
+    return token_id
+
+
+def target_layer_ids(cfg: DictConfig, hf_config) -> list[int]:
+    """drafter.target_layer_ids, or (null) the published drafters' even spread over the target's layer count;
+    ids this target cannot serve (another target's recipe?) are a ConfigError naming the key and the count."""
+    layers, setting = num_layers_of(hf_config), cfg.drafter.target_layer_ids
+    if setting is None:
+        try:
+            return default_target_layer_ids(layers, cfg.drafter.num_layers)
+        except ValueError as error:
+            raise ConfigError(f"drafter.target_layer_ids=null: {error} (one per drafter layer); list the ids, "
+                              f"or lower drafter.num_layers") from None
+    ids = [int(layer_id) for layer_id in setting]
+    if outside := [layer_id for layer_id in ids if not 0 <= layer_id <= layers - 2]:
+        raise ConfigError(f"drafter.target_layer_ids={ids}: the target has {layers} layers, so ids lie in "
+                          f"0..{layers - 2} (serving engines read feature i at the input of layer i + 1: never the "
+                          f"last layer, {layers - 1}); {outside} do not; null derives them from the layer count")
+    return ids
+
+
+def data_settings(cfg: DictConfig, hf_config) -> DataSettings:
+    """The `data` section with data.max_length resolved (null: the target's max_position_embeddings, the
+    longest conversation it can take); lengths beyond that are a ConfigError naming the key."""
+    data, max_positions = OmegaConf.to_object(cfg.data), text_config(hf_config).max_position_embeddings
     for key in ("max_length", "fixed_length"):
-        length = cfg.data[key]
+        length = getattr(data, key)
         if length is not None and length > max_positions:
             raise ConfigError(f"data.{key}={length} exceeds the target's max_position_embeddings ({max_positions})")
-    ids = list(cfg.drafter.target_layer_ids) if cfg.drafter.target_layer_ids is not None else None
+    if data.max_length is None:
+        data.max_length = max_positions
+    return data
+
+
+def drafter_config(cfg: DictConfig, hf_config) -> DrafterConfig:
+    mask_token_id = mask_token(cfg, hf_config)
     overrides = {key: (list(value) if key == "layer_types" else value)
                  for key in _SHAPE_OVERRIDES if (value := cfg.drafter.get(key)) is not None}
     dcfg = drafter_config_for_target(hf_config, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
-                                     mask_token_id=int(mask_token_id), target_layer_ids=ids, **overrides)
+                                     mask_token_id=mask_token_id, target_layer_ids=target_layer_ids(cfg, hf_config),
+                                     **overrides)
     if cfg.drafter.kind == "dflash2":
         return DFlash2Config(**dataclasses.asdict(dcfg), **{key: cfg.drafter[key] for key in DFLASH2_KEYS})
     return dcfg
@@ -213,17 +265,18 @@ def check_combinations(cfg: DictConfig) -> None:
     if cfg.run.warm_up is True and cfg.data.fixed_length is None:
         raise ConfigError("run.warm_up=True: needs data.fixed_length (the one shape to compile for)")
     longest, limits = longest_conversation(cfg)
-    if cfg.drafter.block_size > longest:
+    if longest is not None and cfg.drafter.block_size > longest:
         said = "; ".join(f"{key}={longest} {_LENGTH_LIMITS[key]}" for key in limits)
         raise ConfigError(f"drafter.block_size={cfg.drafter.block_size}: a block lies within one conversation (in "
                           f"a packed row, within its document), and no conversation is longer than {longest} tokens "
                           f"({said}); lower drafter.block_size or raise {' and '.join(limits)}")
 
 
-def longest_conversation(cfg: DictConfig) -> tuple[int, list[str]]:
-    """The most tokens of one conversation a row holds, and the keys that set that bound."""
+def longest_conversation(cfg: DictConfig) -> tuple[int | None, list[str]]:
+    """The most tokens of one conversation a row holds, and the keys that set that bound (None, []: only the
+    target's max_position_embeddings, unknown before its config is read)."""
     lengths = {"data.max_length": cfg.data.max_length, "data.fixed_length": cfg.data.fixed_length}
-    longest = min(length for length in lengths.values() if length is not None)
+    longest = min((length for length in lengths.values() if length is not None), default=None)
     return longest, [key for key, length in lengths.items() if length == longest]
 
 
@@ -269,7 +322,7 @@ def resolve(cfg: DictConfig, topology: Topology, device: torch.device) -> Job:
                         tp_size=cfg.target.tp_size, random_weights=cfg.target.random_weights,
                         attention=target_attention(packed, device, hf_config))
     typed = OmegaConf.to_object   # each section as the schema's dataclass
-    data = typed(cfg.data)
+    data = data_settings(cfg, hf_config)
     return Job(topology=topology, device=device, target=target, drafter=dcfg,
                step=step_settings(typed(cfg.drafter), backend, plan.compiled), compile=plan,
                schedule=schedule(cfg, topology), tokenizer_dir=tokenizer_dir(cfg), packing=packed,

@@ -7,12 +7,14 @@ import torch
 from hydra.errors import ConfigCompositionException
 from transformers import AutoTokenizer
 
+import dflash_core.target.tiny as tiny
 from dflash_core.data import DataError, load_samples
 from dflash_core.loss.frozen_head import FrozenTargetHead
 from dflash_core.target.capture import TargetError, load_target
+from launcher import prepare
 from launcher.config import ConfigError, compose_config, config_hash
 from launcher.distributed.topology import Topology, parse_topology
-from launcher.resolve import check_combinations, dataset_paths, resolve, target_dir
+from launcher.resolve import check_combinations, dataset_paths, ensure_embedded_target, resolve, target_dir
 from launcher.roles.target import build_sources
 from launcher.run_io.rundir import prepare_run_dir
 
@@ -30,6 +32,20 @@ def test_missing_target_dir(tmp_path):
     cfg = compose_config([f"target.path={tmp_path / 'nope'}", "target.build_tiny=false"])
     with pytest.raises(ConfigError, match=r"target.path=.*nope.*no such directory"):
         target_dir(cfg)
+
+
+def test_a_misspelt_target_path_is_refused_never_given_the_tiny_target(tmp_path, monkeypatch):
+    """target.path without target=: the default target=tiny builds its embedded target only at its own path."""
+    built = []
+    monkeypatch.setattr(tiny, "build_tiny_target", lambda path, **_: built.append(str(path)))
+    missing = tmp_path / "Qwen3-8b"
+    with pytest.raises(ConfigError, match=r"target.path=.*Qwen3-8b.*no such directory .*only at its own path, "
+                                          r"\.cache/tiny-qwen3"):
+        prepare.run([f"target.path={missing}"])
+    assert built == [] and not missing.exists()
+    monkeypatch.chdir(tmp_path)   # the preset's own (relative) path is still built where it is missing
+    ensure_embedded_target(compose_config(["target=tiny_llama"]), seed=0)
+    assert built == [".cache/tiny-llama"]
 
 
 def test_target_dir_without_weights(tmp_path, tiny_target_dir):
@@ -127,13 +143,14 @@ def test_train_steps_stop_where_checkpoint_names_do(steps):
 
 
 @pytest.mark.parametrize("overrides,binding", [
-    # the issue's case: the bundled data's max_length is 256 too, so both bound the conversation
-    (["drafter.block_size=300", "data.fixed_length=256"], ["data.max_length", "data.fixed_length"]),
-    (["drafter.block_size=300", "data.fixed_length=256", "data.packing=false"], ["data.max_length",
+    (["drafter.block_size=300", "data.fixed_length=256"], ["data.fixed_length"]),
+    (["drafter.block_size=300", "data.fixed_length=256", "data.packing=false"], ["data.fixed_length"]),
+    # the issue's case: both bound the conversation
+    (["drafter.block_size=300", "data.max_length=256", "data.fixed_length=256"], ["data.max_length",
                                                                                   "data.fixed_length"]),
     (["drafter.block_size=300", "data.max_length=1024", "data.fixed_length=256"], ["data.fixed_length"]),
     (["drafter.block_size=300", "data.max_length=128", "data.fixed_length=256"], ["data.max_length"]),
-    (["drafter.block_size=300"], ["data.max_length"])])
+    (["drafter.block_size=300", "data.max_length=256"], ["data.max_length"])])
 def test_a_block_longer_than_every_conversation_is_refused_at_start(overrides, binding):
     with pytest.raises(ConfigError, match=r"^drafter.block_size=300: a block lies within one conversation") as no:
         check_combinations(compose_config(overrides))
@@ -177,7 +194,7 @@ def test_a_timeout_too_short_for_a_heartbeat_is_refused_before_any_process_group
 
 
 def test_target_layer_ids_out_of_range(tmp_path, tiny_target_dir):
-    with pytest.raises(ValueError, match=r"7.*\[0, 4\)|out of range.*7"):
+    with pytest.raises(ConfigError, match=r"target_layer_ids=\[0, 7\]: the target has 4 layers, .*\[7\] do not"):
         _job(tiny_target_dir, tmp_path, "drafter.target_layer_ids=[0,7]")
 
 

@@ -91,3 +91,16 @@ def test_every_entry_point_under_torchrun_dies_with_it():
     code, tail = stream([sys.executable, "-c", _PARENT_DEATH_SIGNAL.split("for name")[0] + "signal_on_parent_death(0)"],
                         env=child_env(tiny=True), timeout_s=60, prefix="child")
     assert code == 0 and tail.endswith(f" {int(signal.SIGKILL)}"), tail
+
+
+def test_importing_the_code_prints_no_torchao_noise_and_hides_nothing_else():
+    """transformers imports torchao with every command; what torchao's import logs about its optional compiled
+    extensions that cannot load here (`_C_mxfp8`, ...) and torch's notes on its enums are not the user's to
+    act on. Another warning of the same loggers still shows."""
+    program = ("import importlib.util, logging, sys; import launcher.resolve; "   # what every command imports
+               "assert 'torchao' in sys.modules or importlib.util.find_spec('torchao') is None; "
+               "logging.getLogger('torchao').warning('a torchao warning that stays')")
+    done = subprocess.run([sys.executable, "-c", program], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          check=True)
+    assert "Failed to load" not in done.stderr and "register_constant()" not in done.stderr, done.stderr
+    assert "a torchao warning that stays" in done.stderr

@@ -1,5 +1,6 @@
 """launcher.prepare fills the token stores that a training start with the same overrides opens."""
 import json
+import logging
 
 import pytest
 import torch
@@ -8,7 +9,8 @@ import dflash_core.data.tokenize as tokenize
 from dflash_core.data import load_tokenizer
 from launcher import prepare
 from launcher.config import compose_config
-from launcher.dataset import load_run_samples
+from launcher.config.schema import DataSettings
+from launcher.dataset import data_report, load_run_samples
 from launcher.distributed.topology import Topology
 from launcher.resolve import resolve
 
@@ -30,3 +32,22 @@ def test_prepare_fills_the_stores_training_opens_and_says_what_it_will_find(tmp_
     job = resolve(compose_config(overrides), Topology(1, 1), torch.device("cpu"))   # as a target rank loads them
     samples, stats = load_run_samples(job.data_sources(), job.data, load_tokenizer(job.tokenizer_dir))
     assert len(samples) == stats["kept"] == 30 and stats["dropped_duplicate"] == 4
+
+
+def test_no_data_group_caps_a_users_lengths_and_a_truncation_names_its_setting(tmp_path, tiny_target_dir, capsys):
+    """data.max_length has one default, the schema's (the target's max_position_embeddings), which a user's
+    data.paths keeps; a record cut shorter is counted in a warning naming the setting, a clean load is info."""
+    assert compose_config([]).data.max_length is DataSettings().max_length is None
+    chats = tmp_path / "long.jsonl"
+    answer = " ".join(str(k) for k in range(150))   # a few hundred tokens: past 256, within the tiny target's 1024
+    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "Count."},
+                                              {"role": "assistant", "content": answer}]}) + "\n")
+    overrides = [f"target.path={tiny_target_dir}", f"data.paths=[{chats}]", f"data.cache_dir={tmp_path / 'tok'}"]
+    assert prepare.run(overrides) == 0
+    assert "kept 1 of 1 records, dropped 0\n" in capsys.readouterr().out   # whole, as the user gave it
+    assert prepare.run([*overrides, "data.max_length=64"]) == 0
+    assert "1 truncated to data.max_length=64 tokens (raise data.max_length" in capsys.readouterr().out
+    truncated = {"read": 2, "kept": 2, "truncated": 1}
+    assert data_report(truncated, DataSettings(max_length=64))[0] == logging.WARNING
+    assert data_report({**truncated, "truncated": 0}, DataSettings(max_length=64))[0] == logging.INFO
+    assert data_report({"read": 2, "kept": 1}, DataSettings(max_length=64))[0] == logging.WARNING

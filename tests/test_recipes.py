@@ -6,6 +6,7 @@ import json
 import math
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from omegaconf import OmegaConf
@@ -14,6 +15,7 @@ from dflash_core.target.families import drafter_config_for_target
 from dflash_core.target.shapes import SHAPES, config_from_shape
 from launcher.cli import parse_flags
 from launcher.config import compose_config
+from launcher.resolve import target_layer_ids
 from tests.conftest import _build_tiny_target
 from tests.launching import REPO, torchrun
 
@@ -68,11 +70,24 @@ def test_recipe_fits_its_real_target_shape(name):
     drafter = drafter_config_for_target(
         config, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
         mask_token_id=SHAPES[shape].mask_token_id if mask == "auto" else mask,
-        target_layer_ids=list(cfg.drafter.target_layer_ids),
+        target_layer_ids=target_layer_ids(cfg, config),
         **({"intermediate_size": cfg.drafter.intermediate_size} if cfg.drafter.intermediate_size else {}))
     assert drafter.mask_token_id == (SHAPES[shape].mask_token_id or drafter.mask_token_id)
     assert cfg.data.fixed_length <= config.max_position_embeddings
     assert cfg.data.max_length <= cfg.data.fixed_length
+
+
+@pytest.mark.parametrize("name,layers,published", [
+    ("qwen3_8b", 36, [1, 9, 17, 25, 33]), ("llama3_1_8b", 32, [1, 8, 15, 22, 29]),
+    ("qwen3_6_27b", 64, [1, 16, 31, 46, 61]), ("gpt_oss_20b", 24, [1, 6, 11, 16, 21]),
+    ("qwen3_5_35b_a3b", 40, [3, 11, 19, 27, 35])])
+def test_recipe_layer_ids_are_the_published_ones_on_their_target(name, layers, published):
+    """A recipe derives its layer ids from the target's layer count (null), and on its own target that gives
+    the published drafter's; only a drafter published with other ids lists them (SpecForge's full-attention
+    layers of Qwen3.5-35B-A3B)."""
+    cfg = _recipe(name)
+    assert target_layer_ids(cfg, SimpleNamespace(num_hidden_layers=layers)) == published
+    assert cfg.drafter.target_layer_ids is None or name == "qwen3_5_35b_a3b"
 
 
 def _stand_in_overrides(name: str, target_dir: Path, tmp_path: Path) -> list[str]:

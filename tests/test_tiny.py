@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_core.target.tiny import BUNDLED_DATASET, build_tiny_target, first_unused_token_id
+from dflash_core.target.mask_token import first_unused_token_id
+from dflash_core.target.tiny import BUNDLED_DATASET, build_tiny_target
 from tests.launching import REPO
 
 
@@ -61,11 +62,10 @@ def test_build_refuses_a_foreign_non_empty_dir(tmp_path):
         build_tiny_target(tmp_path)
 
 
-def test_first_unused_token_id_needs_a_spare_embedding_row():
+def test_first_unused_token_id_is_the_first_spare_embedding_row():
     tokenizer = [None] * 1024  # only len() is used
     assert first_unused_token_id(tokenizer, SimpleNamespace(vocab_size=1088)) == 1024
-    with pytest.raises(ValueError, match="no unused embedding row"):
-        first_unused_token_id(tokenizer, SimpleNamespace(vocab_size=1024))
+    assert first_unused_token_id(tokenizer, SimpleNamespace(vocab_size=1024)) is None   # a full table: none
 
 
 def test_bundled_dataset_is_reproduced_by_its_generator(tmp_path):

@@ -211,20 +211,26 @@ def _count_records(path: Path) -> int | None:
 
 
 class _Progress:
-    """A progress bar on stderr (conversations/s, ETA) for a large source, and the caller's callback."""
+    """A progress bar on stderr (conversations/s, ETA) for a large source, and the caller's callback.
+
+    The bar starts with the first chunk, counting it as done before its clock starts: the seconds the
+    pool takes to start and the first chunks take to come back are not tokenising speed, and a rate taken
+    over them gave an ETA tens of times too long (issue 44). Its rate is the mean since then (tqdm's
+    smoothing 0), steady while chunks come back in bursts of one per worker."""
 
     def __init__(self, path: Path, total: int | None, callback: Callable | None, show: bool):
-        self.total, self.callback, self.done = total, callback, 0
+        self.path, self.total, self.callback, self.done, self.show = path, total, callback, 0, show
         self.bar = None
-        if show:
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, unit=" conversations", desc=f"tokenising {path.name}", file=sys.stderr,
-                            mininterval=2.0, dynamic_ncols=True)
 
     def advance(self, records: int) -> None:
         self.done += records
         if self.bar is not None:
             self.bar.update(records)
+        elif self.show:
+            from tqdm import tqdm
+            self.bar = tqdm(total=self.total, initial=self.done, unit=" conversations",
+                            desc=f"tokenising {self.path.name}", file=sys.stderr, mininterval=2.0, smoothing=0,
+                            dynamic_ncols=True)
         if self.callback is not None:
             self.callback(self.done, self.total)
 

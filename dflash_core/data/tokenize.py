@@ -130,8 +130,9 @@ def load_samples(paths, tokenizer, *, max_length: int, last_turn_only: bool = Fa
 
 
 # ------------------------------------------------------------------------- reporting
-def describe_drops(stats: dict) -> str:
-    """One line: how many records were kept, how many dropped and why."""
+def describe_drops(stats: dict, truncated_to: str = "max_length") -> str:
+    """One line: how many records were kept, how many dropped and why, how many were truncated (to
+    `truncated_to`: the caller may name its setting)."""
     dropped = stats.get("read", 0) - stats.get("kept", 0)
     reasons = [f"{stats[f'skipped_{reason}']} {text}" for reason, text in BAD_LINE_REASONS.items()
                if stats.get(f"skipped_{reason}")]
@@ -142,15 +143,15 @@ def describe_drops(stats: dict) -> str:
     line = f"kept {stats.get('kept', 0)} of {stats.get('read', 0)} records, dropped {dropped}"
     line += f" ({', '.join(reasons)})" if reasons else ""
     if stats.get("truncated"):
-        line += f"; {stats['truncated']} truncated to max_length"
+        line += f"; {stats['truncated']} truncated to {truncated_to}"
     if stats.get("first_bad_line"):
         line += f"; first skipped line: {stats['first_bad_line']}"
     return line
 
 
-def drop_warning(stats: dict, *, threshold: float = 0.5) -> str | None:
+def drop_warning(stats: dict, *, threshold: float = 0.5, truncated_to: str = "max_length") -> str | None:
     """A loud warning when more than `threshold` of the records read were dropped, else None."""
     read = stats.get("read", 0)
     if not read or (read - stats.get("kept", 0)) / read <= threshold:
         return None
-    return f"WARNING: most of the dataset was dropped: {describe_drops(stats)}"
+    return f"WARNING: most of the dataset was dropped: {describe_drops(stats, truncated_to)}"

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..data import read_records
-from .families import text_config
+from .mask_token import first_unused_token_id
 
 BUNDLED_DATASET = Path(__file__).resolve().parents[1] / "assets" / "tiny_chat.jsonl"
 
@@ -60,15 +60,6 @@ DEFAULT_FAMILY = "qwen3"
 PRETRAIN_STEPS = 300
 PRETRAIN_THREADS = 2
 BUILD_MARKER = "tiny_build.json"  # written last: its presence means the directory is complete
-
-
-def first_unused_token_id(tokenizer, config) -> int:
-    """The first embedding row no token maps to: the drafter's mask token id."""
-    token_id, vocab_size = len(tokenizer), text_config(config).vocab_size
-    if token_id >= vocab_size:
-        raise ValueError(f"the target has no unused embedding row for a mask token: the tokenizer has "
-                         f"{token_id} tokens and vocab_size is {vocab_size}")
-    return token_id
 
 
 def _training_texts(dataset: Path):

@@ -42,7 +42,8 @@ def required(doc: str):
 @dataclass
 class TargetSettings:
     path: str = required("local Hugging Face model directory of the frozen target (config, weights, tokenizer)")
-    build_tiny: bool = knob(False, "build the embedded tiny target at `path` when it is missing (no download)")
+    build_tiny: bool = knob(False, "build the embedded tiny target (no download) when `path` is missing and is its own "
+                                   "path, .cache/tiny-<tiny_family>; never at any other path")
     tiny_family: str = knob("qwen3", "family of the tiny target build_tiny builds",
                             choices=("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "llama", "gpt_oss"))
     dtype: str = knob("auto", "compute dtype: auto (bf16 on GPU, fp32 on CPU)",
@@ -63,10 +64,12 @@ class DrafterSettings:
     num_layers: int = knob(5, "drafter decoder layers", ge=1)
     block_size: int = knob(16, "tokens drafted per block (slot 0 holds the anchor token)", ge=2)
     num_anchors: int = knob(512, "blocks per row (padded with invalid blocks: one static shape)", ge=1)
-    target_layer_ids: Optional[list] = knob(None, "target layers whose outputs feed the drafter (HF numbering); "
-                                                  "null: spread evenly (dflash_spec)")
-    mask_token_id: Any = knob("auto", "token id of the masked slots; auto: first unused embedding row of the target",
-                              choices=("auto",), ge=0)
+    target_layer_ids: Optional[list] = knob(None, "target layers whose outputs feed the drafter (HF numbering, at "
+                                                  "most the second-to-last); null: one per drafter layer, spread over "
+                                                  "the target's layer count as the published drafters are (1..N-3)")
+    mask_token_id: Any = knob("auto", "token id of the masked slots; auto: the target's first unused embedding row, "
+                                      "else (a full table) its first special token that neither bos/eos/pad/unk nor "
+                                      "the chat template uses", choices=("auto",), ge=0)
     backend: str = knob("auto", "attention backend: auto (sdpa on CPU, flex on a GPU) | "
                                 "flex (flex_attention, Triton kernels) | flash (flex_attention, flash-attn-4 kernels: "
                                 "Hopper or newer, the [flash] extra; faster steps at 8B-class shapes, longer cold "
@@ -118,7 +121,8 @@ class DataSettings:
     paths: Any = knob(["bundled:tiny_chat"], "local .jsonl/.json/.parquet files or datasets dirs (a string is "
                                              "one path); bundled:tiny_chat is the embedded set")
     tokenizer: Optional[str] = knob(None, "tokenizer directory; null: the target's")
-    max_length: int = knob(2048, "longer conversations are truncated to this many tokens", ge=4)
+    max_length: Optional[int] = knob(None, "longer conversations are truncated to this many tokens (counted, with a "
+                                           "warning); null: the target's max_position_embeddings", ge=4)
     fixed_length: Optional[int] = knob(None, "every row has this length (one static shape, compiled once); "
                                              "null: pad each batch to a multiple of length_multiple", ge=4)
     packing: Optional[bool] = knob(None, "fill fixed-length rows with several whole conversations; "

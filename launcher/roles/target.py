@@ -7,11 +7,11 @@ import time
 
 import torch
 
-from dflash_core.data import MicroBatchSource, describe_drops, drop_warning, load_tokenizer
+from dflash_core.data import MicroBatchSource, load_tokenizer
 from dflash_core.target.capture import CapturingTarget, load_target, random_target
 from launcher.config import ConfigError
 from launcher.context import Context
-from launcher.dataset import load_run_samples
+from launcher.dataset import data_report, load_run_samples
 from launcher.distributed.channel import HIDDEN_DTYPE, Sender
 from launcher.distributed.schedule import TRAIN
 from launcher.job import Job
@@ -107,8 +107,9 @@ def run_target(ctx: Context) -> TargetStats:
     if ctx.rank == 0:
         ctx.progress.arrive("data_cached")
     log.info("data: %s", data_stats)
-    if ctx.rank == 0:   # once per job, on the console
-        log.warning("data: %s", drop_warning(data_stats) or describe_drops(data_stats))
+    if ctx.rank == 0:   # once per job (on the console when something was dropped or truncated)
+        level, line = data_report(data_stats, job.data)
+        log.log(level, "data: %s", line)
     ctx.progress.stage("loading_target")
     target = load_capturing_target(ctx)
 
