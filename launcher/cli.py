@@ -34,14 +34,16 @@ def _keys(node_type, prefix=""):
         yield f"{prefix}{spec.name}", str(spec.type), default, spec.metadata.get("doc", ""), rules
 
 
-def help_text(config_name: str, usage: str) -> str:
+def help_text(config_name: str, usage: str, about: str | None = None) -> str:
+    """`about`: the command's one paragraph (default: its config root's, e.g. launcher.train's)."""
     root = schema.ROOTS[config_name]
     groups = []
     for group in sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir()):
         if any(spec.name == group for spec in dataclasses.fields(root)):
             options = sorted(f.stem for f in (CONF_DIR / group).glob("*.yaml"))
             groups.append(f"  {group}: {', '.join(options)}")
-    lines = [root.__doc__.strip(), "", usage.strip(), "", "Config groups (pick one: group=option):", *groups, "",
+    lines = [(about or root.__doc__).strip(), "", usage.strip(), "", "Config groups (pick one: group=option):",
+             *groups, "",
              "Keys (override with key=value; defaults from launcher/config/schema.py before the group option):"]
     for key, kind, default, doc, rules in _keys(root):
         shown = ("non-empty" if name == "nonempty" else f"{name} {value}" for name, value in rules.items())
@@ -52,14 +54,14 @@ def help_text(config_name: str, usage: str) -> str:
     return "\n".join(lines)
 
 
-def parse_flags(argv: list[str], config_name: str, usage: str) -> list[str]:
+def parse_flags(argv: list[str], config_name: str, usage: str, about: str | None = None) -> list[str]:
     """Handle the flags (printing and exiting 0); return the overrides."""
     if any(arg in ("-m", "--multirun") for arg in argv):
         raise SystemExit("error: --multirun is not supported: a drafter job owns its GPUs and run.dir; launch one "
                          "job per setting instead, e.g. `for s in 100 200; do torchrun ... train.steps=$s "
                          "run.dir=runs/sweep/$s; done`")
     if "-h" in argv or "--help" in argv:
-        print(help_text(config_name, usage))
+        print(help_text(config_name, usage, about))
         raise SystemExit(0)
     if "--info" in argv:
         print(f"config: {CONF_DIR / (config_name + '.yaml')} on top of {schema.ROOTS[config_name].__name__} "
@@ -196,18 +198,21 @@ def report_stopped(exc: KeyboardInterrupt) -> int:
     return 128 + signum
 
 
-def run_main(run, config_name: str, usage: str, argv: list[str] | None = None) -> None:
+def run_main(run, config_name: str, usage: str, argv: list[str] | None = None, *, command: str | None = None,
+             about: str | None = None) -> None:
     """Parse the flags, run `run(overrides)`, and on failure log it (role and rank in every line),
     let peers report too, and exit non-zero at once; SIGINT (or Stopped) is said in one line and exits
-    128 + the signal. argv: default sys.argv[1:]. Under torchrun the
-    process first asks the kernel to kill it when torchrun dies, whichever command it runs."""
+    128 + the signal. argv: default sys.argv[1:]. `command` tags the
+    log lines and `about` opens --help, for a command that takes another's config (launcher.prepare
+    takes launcher.train's); by default the config's. Under torchrun the process first asks the
+    kernel to kill it when torchrun dies, whichever command it runs."""
     from launcher.run_io.rundir import setup_logging
     if "LOCAL_RANK" in os.environ:
         die_with_parent()
     if not log.handlers:
-        setup_logging(config_name if config_name != "config" else "train", logging.INFO)
+        setup_logging(command or (config_name if config_name != "config" else "train"), logging.INFO)
     try:
-        code = run(parse_flags(sys.argv[1:] if argv is None else argv, config_name, usage))
+        code = run(parse_flags(sys.argv[1:] if argv is None else argv, config_name, usage, about))
     except BaseException as exc:  # every rank reports its own failure, then exits non-zero at once
         if isinstance(exc, SystemExit):
             raise

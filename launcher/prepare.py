@@ -65,7 +65,7 @@ def run(overrides: list[str]) -> int:
 
 def main() -> None:
     from launcher.cli import run_main
-    run_main(run, "config", USAGE)
+    run_main(run, "config", USAGE, command="prepare", about=__doc__)
 
 
 if __name__ == "__main__":

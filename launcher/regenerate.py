@@ -9,6 +9,7 @@ to regenerate the assistant turns of a chat set with the target before training.
 regenerate.endpoints. Answers are written to part files as they finish, so a rerun with the
 same settings answers only what is missing; the parts are merged in input order into the
 output JSONL (temp file, then rename; launcher/regeneration/parts.py says the records' form).
+One run writes an output at a time (`<output>.lock`; a second is refused naming the first).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from launcher.config import compose_config, require
-from launcher.regeneration.parts import check_output
+from launcher.regeneration.parts import check_output, claim_output
 from launcher.run_io.rundir import setup_logging
 
 USAGE = """\
@@ -47,13 +48,13 @@ def run(overrides: list[str]) -> int:
     setup_logging(f"regen{rank}", logging.INFO if rank == 0 else logging.WARNING)
     cfg = compose_config(overrides, config_name="regenerate")
     validate(cfg)
-    check_output(cfg)
+    check_output(cfg)   # on every rank, before any work
     if cfg.regenerate.engine == "hf":
         from launcher.regeneration.hf import run_hf
-        return run_hf(cfg, rank, world)
+        return run_hf(cfg, rank, world)   # rank 0 claims the output once the ranks can hear its refusal
     from launcher.cli import stop_on_signals
     from launcher.regeneration.served import run_served
-    with stop_on_signals():   # SIGTERM too stops the servers and says what is left
+    with stop_on_signals(), claim_output(cfg):   # SIGTERM too stops the servers, releases the output, says what is left
         return run_served(cfg)
 
 

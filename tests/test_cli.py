@@ -57,6 +57,18 @@ def test_a_bad_key_is_one_line_without_a_traceback():
     assert "Could not override 'train.stpes'" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_prepare_opens_its_help_with_itself_and_logs_as_prepare():
+    """Issue 46: `prepare --help` opened with the training command and its lines were tagged [train]."""
+    shown = subprocess.run([sys.executable, "-m", "launcher.prepare", "--help"], cwd=REPO, capture_output=True,
+                           text=True, timeout=120, check=False)
+    assert shown.returncode == 0 and shown.stdout.startswith("`python -m launcher.prepare key=value ...`")
+    failed = subprocess.run([sys.executable, "-m", "launcher.prepare", "data.max_length=abc"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert failed.returncode == 1 and "[train]" not in failed.stderr
+    assert "[prepare] ERROR failed: ConfigError: data.max_length='abc' (the override data.max_length=abc): must be " \
+           "of type int" in failed.stderr
+
+
 _PARENT_DEATH_SIGNAL = """
 import ctypes, importlib, sys
 libc = ctypes.CDLL("libc.so.6")

@@ -1,4 +1,5 @@
-"""launcher.prepare fills the token stores that a training start with the same overrides opens."""
+"""launcher.prepare fills the token stores that a training start with the same overrides opens, and
+says when it reuses them or finds them stale."""
 import json
 import logging
 
@@ -51,3 +52,39 @@ def test_no_data_group_caps_a_users_lengths_and_a_truncation_names_its_setting(t
     assert data_report(truncated, DataSettings(max_length=64))[0] == logging.WARNING
     assert data_report({**truncated, "truncated": 0}, DataSettings(max_length=64))[0] == logging.INFO
     assert data_report({"read": 2, "kept": 1}, DataSettings(max_length=64))[0] == logging.WARNING
+
+
+@pytest.fixture
+def dflash_log(caplog):
+    """The project's log lines (its logger does not propagate once a command set it up)."""
+    logger, level = logging.getLogger("dflash"), logging.getLogger("dflash").level
+    logger.addHandler(caplog.handler)
+    logger.setLevel(logging.INFO)
+    yield caplog
+    logger.removeHandler(caplog.handler)
+    logger.setLevel(level)
+
+
+def test_a_prepared_store_is_reused_saying_so_and_a_changed_file_is_named_stale(tmp_path, tiny_target_dir,
+                                                                               dflash_log, capsys):
+    """Issue 46: with a changed source file the store was rebuilt, but nothing said it was stale;
+    reusing it was not logged either."""
+    chats = tmp_path / "chats.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"What is {k} + 2?"},
+                          {"role": "assistant", "content": f"{k} + 2 = {k + 2}."}]} for k in range(6)]
+    chats.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    overrides = [f"target.path={tiny_target_dir}", f"data.paths=[{chats}]", f"data.cache_dir={tmp_path / 'tok'}",
+                 "data.max_length=64", "data.num_proc=1"]
+    assert prepare.run(overrides) == 0
+    assert "token store" not in dflash_log.text   # the first preparation: nothing to reuse, nothing stale
+    assert prepare.run(overrides) == 0
+    assert f"reusing the prepared token store of {chats}" in dflash_log.text and "stale" not in dflash_log.text
+    dflash_log.clear()
+
+    with chats.open("a") as f:
+        f.write(json.dumps(rows[0] | {"messages": rows[0]["messages"][:1] + [{"role": "assistant", "content": "4"}]})
+                + "\n")
+    assert prepare.run(overrides) == 0
+    assert f"the prepared token store of {chats.resolve()} is stale: the file changed since it was prepared" \
+        in dflash_log.text and "reusing" not in dflash_log.text
+    assert "7 conversations" in capsys.readouterr().out

@@ -5,6 +5,7 @@ shape allows them."""
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,8 +14,9 @@ from omegaconf import OmegaConf
 
 from dflash_core.target.families import drafter_config_for_target
 from dflash_core.target.shapes import SHAPES, config_from_shape
+from launcher import config
 from launcher.cli import parse_flags
-from launcher.config import compose_config
+from launcher.config import ConfigError, compose_config
 from launcher.resolve import target_layer_ids
 from tests.conftest import _build_tiny_target
 from tests.launching import REPO, torchrun
@@ -60,6 +62,24 @@ def test_every_value_says_where_it_comes_from(name):
     # A value whose source is given in the comment block just above it (the estimates of steps, topology).
     explained = [line for line in unsourced if line.strip().startswith(("steps:", "topology:"))]
     assert unsourced == explained, unsourced
+
+
+def test_a_recipe_value_of_the_wrong_type_names_the_key_value_type_and_file(tmp_path, monkeypatch):
+    """Issue 46: "ValidationError raised while composing config:" and nothing after the colon."""
+    conf = tmp_path / "conf"
+    shutil.copytree(REPO / "conf", conf)
+    recipe = conf / "recipe" / "qwen3_8b.yaml"
+    recipe.write_text(recipe.read_text().replace("  num_layers: 5 ", "  num_layers: five "))
+    monkeypatch.setattr(config, "CONF_DIR", conf)
+    with pytest.raises(ConfigError, match=rf"^drafter.num_layers='five' \(set in {recipe}\): must be of type int "
+                                          r"\(omegaconf: Value 'five' of type 'str' could not be converted"):
+        compose_config(["recipe=qwen3_8b"])
+
+
+def test_an_unknown_recipe_lists_the_recipes_that_exist():
+    with pytest.raises(ConfigError, match=rf"^recipe='qwen3_9b': there is no {RECIPE_DIR}/qwen3_9b.yaml; the recipe "
+                                          rf"options are: {', '.join(sorted(RECIPES))}$"):
+        compose_config(["recipe=qwen3_9b"])
 
 
 @pytest.mark.parametrize("name", [name for name, (_, shape) in RECIPES.items() if shape])

@@ -7,17 +7,22 @@ engine's."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
+from dflash_core.target.tiny import BUNDLED_DATASET
 from launcher.config import ConfigError
 from launcher.regenerate import run
-from launcher.regeneration.served import RegenerationIncomplete, assistant_turn
+from launcher.regeneration.served import NothingAnswered, RegenerationIncomplete, assistant_turn
+from launcher.run_io import lock
+from launcher.run_io.lock import LockBusy
 from launcher.serving.vllm_server import free_port
 from tests import served
 from tests.launching import REPO
@@ -55,12 +60,16 @@ def reply(body: dict) -> dict:
 
 class FakeChatServer:
     """An OpenAI-compatible server on a free loopback port. `fail_first`: that many chat requests
-    get HTTP 503 first; `close_after`: after that many answers the port closes (a server that died)."""
+    get HTTP 503 first; `close_after`: after that many answers the port closes (a server that died);
+    `delay_s`: each chat request waits this long before its answer or failure; `answer`: body ->
+    (HTTP status, payload) in place of `reply` (a server that refuses everything or answers wrongly)."""
 
-    def __init__(self, *, fail_first: int = 0, close_after: int | None = None, refuse: str | None = None):
+    def __init__(self, *, fail_first: int = 0, close_after: int | None = None, refuse: str | None = None,
+                 delay_s: float = 0.0, answer=None):
         self.requests: list[dict] = []
         self.refuse = refuse   # a last message of this content gets HTTP 400 (as a prompt over the context does)
         self.fail_first, self.close_after, self.answered, self.closing = fail_first, close_after, 0, False
+        self.delay_s, self.answer = delay_s, answer
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -82,6 +91,7 @@ class FakeChatServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if self.path != "/v1/chat/completions":   # e.g. /tokenize: not served, as by SGLang
                     return self._send(404, {"error": "Not Found"})
+                time.sleep(fake.delay_s)
                 with lock:
                     fake.requests.append(body)
                     dead = fake.close_after is not None and fake.answered >= fake.close_after
@@ -96,6 +106,8 @@ class FakeChatServer:
                     self._send(503, {"error": "overloaded"})
                 elif body["messages"][-1]["content"] == fake.refuse:
                     self._send(400, {"error": "This model's maximum context length is 1024 tokens"})
+                elif fake.answer is not None:
+                    self._send(*fake.answer(body))
                 else:
                     self._send(200, reply(body))
 
@@ -224,6 +236,160 @@ def test_a_server_that_dies_loses_no_finished_answer_and_the_rerun_answers_the_r
     assert _run(tiny_target_dir, chats, output, healthy.url) == 0
     assert len(healthy.requests) == 5   # only the prompts left
     assert [r["id"] for r in _records(output)] == [c["id"] for c in CHATS] and not parts.exists()
+
+
+# ----------------------------------------------------------------------------- client failures are clear
+@pytest.mark.parametrize("status,words", [(404, "The model `fake-target` does not exist."),
+                                          (400, "unknown field: return_token_ids")])
+def test_every_prompt_refused_exits_non_zero_with_the_reason_and_no_output(tmp_path, chats, tiny_target_dir,
+                                                                          status, words):
+    """Issue 46: every chat request answered 404 (or 400): exit 0, `wrote 0 records`, a 0-byte output."""
+    server = FakeChatServer(answer=lambda body: (status, {"error": words}))
+    with pytest.raises(NothingAnswered, match=rf"none of the {len(CHATS)} prompts got an answer: {len(CHATS)} "
+                                              rf"refused \(the first: POST {server.url}/v1/chat/completions: HTTP "
+                                              rf"{status}: .*{re.escape(words)}.*\); no output was written"):
+        _run(tiny_target_dir, chats, tmp_path / "out.jsonl", server.url)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl"]   # no output, parts or lock
+
+
+@pytest.mark.parametrize("answer,missing", [({"object": "error", "message": "upstream timed out"}, "`choices`"),
+                                           ({"choices": [{"text": "completion, not chat"}]}, "`choices[0].message`")])
+def test_a_malformed_answer_names_the_endpoint_and_what_was_missing(tmp_path, chats, tiny_target_dir, answer,
+                                                                    missing):
+    """Issue 46: an HTTP 200 without `choices` ended in a bare `KeyError: 'choices'`."""
+    server = FakeChatServer(answer=lambda body: (200, answer))
+    with pytest.raises(RegenerationIncomplete, match=rf"POST {server.url}/v1/chat/completions: 2 attempts failed, "
+                                                     rf"the last with: HTTP 200 without {re.escape(missing)} "
+                                                     rf"\(the answer: {re.escape(json.dumps(answer))}\)"):
+        _run(tiny_target_dir, chats, tmp_path / "out.jsonl", server.url, concurrency=1, limit=1, max_retries=1)
+
+
+def test_a_failing_server_gives_its_prompts_to_the_healthy_one(tmp_path, chats, tiny_target_dir, capfd):
+    """Issue 46: once the healthy server's workers had emptied the queue, the prompts of the server
+    that failed were stranded, and the run said every server stopped answering."""
+    failing = FakeChatServer(close_after=1, delay_s=0.3)   # one answer, then its port closes
+    healthy = FakeChatServer()
+    output = tmp_path / "out.jsonl"
+    assert _run(tiny_target_dir, chats, output, failing.url, healthy.url) == 0
+    assert [r["id"] for r in _records(output)] == [c["id"] for c in CHATS]
+    err = capfd.readouterr().err
+    assert err.count(f"WARNING server {failing.url} is down") == 1 and healthy.url not in err.split("wrote")[0]
+    summary = err[err.index("wrote 8 records"):]
+    assert f"server {failing.url} was down for a while" in summary and f"server {healthy.url}" not in summary
+
+
+def test_each_change_of_a_server_state_is_logged_once(tmp_path, chats, tiny_target_dir, capfd):
+    """Issue 46: "server is down" came once per request in flight (16 times); a server that answers
+    again takes prompts again."""
+    flaky = FakeChatServer(fail_first=2)   # its first request fails twice (max_retries=1): down; then it answers
+    slow = FakeChatServer(delay_s=0.2)     # still busy with the 8 chats when the flaky one is back
+    output = tmp_path / "out.jsonl"
+    assert _run(tiny_target_dir, chats, output, flaky.url, slow.url, max_retries=1, concurrency=1) == 0
+    err = capfd.readouterr().err
+    assert err.count(f"server {flaky.url} is down") == 1 and err.count(f"INFO server {flaky.url} is back up") == 1
+    assert flaky.answered > 0 and len(_records(output)) == len(CHATS)
+
+
+def test_a_prompt_that_makes_every_server_fail_is_not_asked_for_ever(tmp_path, chats, tiny_target_dir, capfd):
+    """Each server fails it (HTTP 500, slowly) but answers /health and the other prompts: each is back
+    up before the other fails it, and without a bound it would go from one to the other for ever."""
+    def answer(body):
+        if body["messages"][-1]["content"] != "question 2":
+            return 200, reply(body)
+        time.sleep(0.2)   # >> the probe interval (retry_backoff_s=0.01 with max_retries=0)
+        return 500, {"error": "internal"}
+    servers = [FakeChatServer(answer=answer), FakeChatServer(answer=answer)]
+    output = tmp_path / "out.jsonl"
+    assert _run(tiny_target_dir, chats, output, *(s.url for s in servers), max_retries=0, concurrency=1) == 0
+    assert [r["id"] for r in _records(output)] == [c["id"] for c in CHATS if c["id"] != "plain-2"]
+    assert "(id 'plain-2'): not answered: it failed 3 times, on every server (the last: POST" in capfd.readouterr().err
+
+
+# ----------------------------------------------------------------------------- no finished answer is lost
+def _interrupted(tiny_target_dir, chats, output) -> Path:
+    """A run stopped after 3 of the chats were answered (its server died): their parts are kept."""
+    with pytest.raises(RegenerationIncomplete):
+        _run(tiny_target_dir, chats, output, FakeChatServer(close_after=4).url, concurrency=1)
+    parts = output.with_name(output.name + ".parts")
+    assert len((parts / "rank00000.jsonl").read_text().splitlines()) == 3
+    return parts
+
+
+@pytest.fixture
+def live_holder(tmp_path):
+    """(a lock on tmp_path/out.jsonl as another live regenerate on this machine leaves it, that process)."""
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    record = {**lock._identity(), "pid": holder.pid, "pid_start": lock._start_ticks(holder.pid),
+              "command": "python -m launcher.regenerate regenerate.output=out.jsonl"}
+    (tmp_path / "out.jsonl.lock").write_text(json.dumps(record))
+    yield record, holder
+    holder.kill()
+    holder.wait()
+
+
+def test_a_second_run_on_one_output_is_refused_naming_the_first(tmp_path, chats, tiny_target_dir, live_holder,
+                                                                 capfd):
+    """Issue 46: two runs on one output shared its parts; the second failed and the output was 0 bytes."""
+    record, holder = live_holder
+    server, output = FakeChatServer(), tmp_path / "out.jsonl"
+    with pytest.raises(LockBusy, match=rf"regenerate.output='{output}' is in use by another job: host \S+ pid "
+                                       rf"{holder.pid} started .*running python -m launcher.regenerate "
+                                       rf"regenerate.output=out.jsonl; wait for it to end or choose another"):
+        _run(tiny_target_dir, chats, output, server.url)
+    assert server.requests == [] and not output.exists() and not output.with_name("out.jsonl.parts").exists()
+
+    holder.kill()   # the holder died (SIGKILL): its lock is stale, taken over with a warning
+    holder.wait()
+    assert _run(tiny_target_dir, chats, output, server.url) == 0
+    err = capfd.readouterr().err
+    assert f"WARNING taking over the lock of host {record['host']} pid {holder.pid}" in err
+    assert "its processes on this machine are gone" in err
+    assert len(_records(output)) == len(CHATS) and not (tmp_path / "out.jsonl.lock").exists()
+
+
+def test_the_hf_engine_also_refuses_a_second_run_on_one_output(tmp_path, tiny_target_dir, live_holder):
+    from tests.test_regenerate_output import _regenerate
+    _, holder = live_holder
+    proc = _regenerate(tiny_target_dir, BUNDLED_DATASET, tmp_path / "out.jsonl")
+    assert proc.returncode == 1
+    assert "is in use by another job: host" in proc.stderr and f"pid {holder.pid} started" in proc.stderr
+    assert not (tmp_path / "out.jsonl").exists() and not (tmp_path / "out.jsonl.parts").exists()
+
+
+def test_a_rerun_resumes_whichever_way_the_input_is_spelt(tmp_path, chats, tiny_target_dir, monkeypatch):
+    """Issue 46: the input spelt relative (or through a link) after an absolute spelling discarded
+    every finished answer, silently."""
+    output = tmp_path / "out.jsonl"
+    _interrupted(tiny_target_dir, chats, output)
+    (tmp_path / "link.jsonl").symlink_to(chats)
+    monkeypatch.chdir(tmp_path)
+    dying = FakeChatServer(close_after=1)   # answers one more chat, relative spelling, then dies
+    with pytest.raises(RegenerationIncomplete, match="the 4 answers finished are kept"):
+        _run(tiny_target_dir, "chats.jsonl", output, dying.url, concurrency=1)
+    healthy = FakeChatServer()
+    assert _run(tiny_target_dir, "link.jsonl", output, healthy.url) == 0
+    assert len(healthy.requests) == 4 and [r["id"] for r in _records(output)] == [c["id"] for c in CHATS]
+
+
+def test_parts_of_other_settings_are_kept_until_the_user_discards_them(tmp_path, chats, tiny_target_dir, capfd):
+    output = tmp_path / "out.jsonl"
+    parts = _interrupted(tiny_target_dir, chats, output)
+    before = (parts / "rank00000.jsonl").read_text()
+    server = FakeChatServer()
+    with pytest.raises(ConfigError, match=rf"{parts} holds 3 finished answers of an earlier run with other settings "
+                                          r"\(regenerate.max_new_tokens: 2048 then, 16 now\): run with the earlier "
+                                          r"settings to resume it, or set regenerate.resume=false to discard"):
+        _run(tiny_target_dir, chats, output, server.url, max_new_tokens=16)
+    with chats.open("a") as f:   # the input's content changed, its name did not
+        f.write(json.dumps({"id": "new", "conversations": [{"role": "user", "content": "new question"}]}) + "\n")
+    with pytest.raises(ConfigError, match=r"\(regenerate.input's content \(sha256\): '\w+' then, '\w+' now\)"):
+        _run(tiny_target_dir, chats, output, server.url)
+    assert (parts / "rank00000.jsonl").read_text() == before and server.requests == []
+
+    assert _run(tiny_target_dir, chats, output, server.url, max_new_tokens=16, resume="false") == 0
+    assert f"WARNING regenerate.resume=false: discarding the 3 answers in {parts} of an earlier run" in \
+        capfd.readouterr().err
+    assert len(_records(output)) == len(CHATS) + 1 and not parts.exists()
 
 
 # ----------------------------------------------------------------------------- a real vLLM server

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from launcher.distributed import flight_recorder, heartbeat
 from launcher.distributed.heartbeat import Heartbeat, PeerStalled
 from launcher.run_io import lock
-from launcher.run_io.lock import RunDirBusy, RunLock
+from launcher.run_io.lock import LockBusy, RunLock
 
 
 # ----------------------------------------------------------------------------------- the lock
@@ -29,7 +29,7 @@ def _write_holder(run_dir, **changes):
 
 def test_a_live_holder_is_named_and_a_released_lock_is_free(tmp_path):
     held = RunLock.acquire(tmp_path)
-    with pytest.raises(RunDirBusy, match=rf"is in use by another job: host \S+ pid {held.record['pid']} .*started "
+    with pytest.raises(LockBusy, match=rf"is in use by another job: host \S+ pid {held.record['pid']} .*started "
                                          rf".*delete {tmp_path / lock.LOCK_NAME}"):
         RunLock.acquire(tmp_path)
     held.release()
@@ -67,7 +67,7 @@ def test_a_lock_from_another_machine_is_stale_once_not_refreshed(tmp_path, silen
     reason = lock.stale_reason(holder, lock._identity())
     assert (reason is not None) == stale
     if not stale:
-        with pytest.raises(RunDirBusy):
+        with pytest.raises(LockBusy):
             RunLock.acquire(tmp_path)
 
 

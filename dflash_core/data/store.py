@@ -5,7 +5,8 @@ One store holds one source's samples back to back, in a directory of flat files:
   mask.bin     uint8 [tokens]     their loss masks (0/1)
   offsets.bin  int64 [samples+1]  sample k is tokens [offsets[k], offsets[k+1])
   hashes.bin   uint64 [samples]   a hash of each sample's ids and mask (duplicate detection)
-  meta.json    format, counts, the source's stats, the sha256 of offsets.bin and hashes.bin
+  meta.json    format, counts, the source's stats, the sha256 of offsets.bin and hashes.bin, and
+               what the writer records of the source (tokenize.py: its path, size and mtime)
 Readers map the files read-only, so a rank's resident memory holds only the pages it touches
 (the kernel shares them between the ranks of a node), not the dataset.
 
@@ -91,9 +92,10 @@ def _sha256(file: Path) -> str:
     return digest.hexdigest()
 
 
-def write_store(directory: Path, chunks: Iterable[Chunk], stats_of) -> None:
+def write_store(directory: Path, chunks: Iterable[Chunk], stats_of, source: dict | None = None) -> None:
     """Stream `chunks` into a store at `directory`, atomically; `stats_of()` gives the source's stats
-    once the chunks are exhausted. An existing store there is replaced."""
+    once the chunks are exhausted; `source`, what the caller records of where they came from. An
+    existing store there is replaced."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.with_name(f".{directory.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
@@ -113,7 +115,7 @@ def write_store(directory: Path, chunks: Iterable[Chunk], stats_of) -> None:
             for f in files.values():
                 f.close()
         meta = {"format": STORE_FORMAT, "samples": samples, "tokens": tokens, "stats": stats_of(),
-                "sha256": {name: _sha256(tmp / _FILES[name][0]) for name in _CHECKSUMMED}}
+                "sha256": {name: _sha256(tmp / _FILES[name][0]) for name in _CHECKSUMMED}, "source": source}
         (tmp / "meta.json").write_text(json.dumps(meta, sort_keys=True))
         for file in tmp.iterdir():
             fsync_path(file)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import time
 import warnings
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from .records import BAD_LINE_REASONS, DataError, check_on_bad_line, dataset_sou
 from .render import tokenizer_name
 from .store import Samples, StoreError, TokenStore, open_store, write_store
 
+log = logging.getLogger("dflash")
 # Bump when the tokenisation rules change, so stale caches are never reused.
 CACHE_FORMAT = "dflash-data-v4"   # v4: assistant turns train on their generated token_ids
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -50,6 +53,39 @@ def _cache_key(path: Path, tokenizer, settings: dict) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
+def _source_record(path: Path, tokenizer, settings: dict) -> dict:
+    """What a store's meta.json records of its source, to tell later that the file changed: its
+    resolved path, size and modification time, and a digest of everything else the key holds."""
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    stats = [f.stat() for f in files]
+    rest = [CACHE_FORMAT, _tokenizer_fingerprint(tokenizer), json.dumps(settings, sort_keys=True)]
+    return {"path": str(path.resolve()), "bytes": sum(st.st_size for st in stats),
+            "modified": max((st.st_mtime for st in stats), default=0.0),
+            "tokenizer_and_settings": hashlib.sha256("\n".join(rest).encode()).hexdigest()[:32]}
+
+
+def _when(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
+
+
+def _report_stale(source: dict, cache_dir: Path) -> None:
+    """Say so when a store of the same file with the same tokenizer and settings is under cache_dir:
+    the file changed since that store was prepared, so it is tokenised again."""
+    prepared = []
+    for meta in cache_dir.glob("*/meta.json"):
+        try:
+            earlier = json.loads(meta.read_text()).get("source") or {}
+        except (OSError, ValueError, AttributeError):
+            continue   # a foreign or torn store: _open_cached speaks of those it meets
+        if all(earlier.get(key) == source[key] for key in ("path", "tokenizer_and_settings")):
+            prepared.append(earlier)
+    if prepared:
+        last = max(prepared, key=lambda earlier: earlier.get("modified", 0.0))
+        log.info("the prepared token store of %s is stale: the file changed since it was prepared (%s bytes, "
+                 "modified %s; now %s bytes, modified %s); tokenising it again", source["path"], last.get("bytes"),
+                 _when(last.get("modified", 0.0)), source["bytes"], _when(source["modified"]))
+
+
 def _open_cached(directory: Path) -> TokenStore | None:
     """The cached store, or None (with a warning when one is there but unusable: it is rebuilt)."""
     if not directory.exists():
@@ -66,11 +102,15 @@ def _source_store(path: Path, tokenizer, settings: dict, cache_dir, num_proc: in
     directory = Path(cache_dir) / _cache_key(path, tokenizer, settings) if cache_dir else None
     store = _open_cached(directory) if directory is not None else None
     if store is not None:
+        log.info("reusing the prepared token store of %s (%s)", path, directory)
         return store
+    if directory is not None:
+        source = _source_record(path, tokenizer, settings)
+        _report_stale(source, directory.parent)
     chunks, stats = tokenize_source(path, tokenizer, settings, num_proc=num_proc, progress=progress)
     if directory is None:
         return TokenStore.from_chunks(list(chunks), stats())
-    write_store(directory, chunks, stats)
+    write_store(directory, chunks, stats, source=source)
     return open_store(directory)
 
 

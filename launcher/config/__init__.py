@@ -13,8 +13,9 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
-from hydra.errors import OverrideParseException
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import ValidationError
 
 from launcher.config import schema
 
@@ -42,6 +43,15 @@ def compose_config(overrides: list[str], config_name: str = "config") -> DictCon
             cfg = compose(config_name=config_name, overrides=overrides)
         except OverrideParseException as exc:
             raise ConfigError(unreadable_override(overrides, exc.override, exc.message)) from None
+        except MissingConfigException as exc:
+            if "/" not in (exc.missing_cfg_file or ""):
+                raise
+            raise ConfigError(missing_option(exc.missing_cfg_file, str(exc))) from None
+        except ConfigCompositionException as exc:
+            wrong = _validation_error(exc)
+            if wrong is None:
+                raise
+            raise ConfigError(wrong_type(config_name, wrong, str(exc))) from None
     OmegaConf.resolve(cfg)
     OmegaConf.set_struct(cfg, True)
     _one_path_as_list(cfg)
@@ -75,6 +85,42 @@ def unreadable_override(overrides: list[str], failed: str, hydra_message: str) -
     outer = '"' if inner == "'" else "'"
     return (f"hydra cannot read the override {failed!r}: {why}; quote the value for hydra inside the shell's "
             f"quotes: {outer}{key}={inner}{value}{inner}{outer}")
+
+
+def _named_in(hydra_message: str) -> str:
+    """ " (set in <the group option's file>)" when hydra's message says one (`In 'recipe/x': ...`)."""
+    where = re.match(r"In '([^']+/[^']+)':", hydra_message)
+    return f" (set in {CONF_DIR / where[1]}.yaml)" if where else ""
+
+
+def missing_option(missing: str, hydra_message: str) -> str:
+    """One line for a group option with no file (`recipe=nope`): the options that exist."""
+    group, option = missing.rsplit("/", 1)
+    options = sorted(f.stem for f in (CONF_DIR / group).glob("*.yaml"))
+    return (f"{group}={option!r}{_named_in(hydra_message)}: there is no {CONF_DIR / group / option}.yaml; "
+            f"the {group} options are: {', '.join(options) or 'none'}")
+
+
+def _validation_error(exc: BaseException) -> ValidationError | None:
+    """The omegaconf type error behind a failed composition, if that is what failed."""
+    while exc is not None and not isinstance(exc, ValidationError):
+        exc = exc.__cause__ or exc.__context__
+    return exc
+
+
+def wrong_type(config_name: str, err: ValidationError, hydra_message: str) -> str:
+    """One line for a value of the wrong type, from a group option's file or an override: the key,
+    the value, the type the schema declares, where the value was set."""
+    node, declared = schema.ROOTS[config_name], None
+    for name in err.full_key.split("."):   # the field's declared type; none for a key inside a dict or list value
+        fields = {spec.name: spec for spec in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else {}
+        spec = fields.get(name)
+        node, declared = (spec.default_factory, spec.type) if spec else (None, None)
+    optional = re.fullmatch(r"Optional\[(.+)\]", declared or "")
+    expected = f"must be of type {optional[1] + ' or null' if optional else declared} " if declared else ""
+    override = re.match(r"Error merging override (\S+)", hydra_message)
+    where = f" (the override {override[1]})" if override else _named_in(hydra_message)
+    return f"{err.full_key}={err.value!r}{where}: {expected}(omegaconf: {str(err.msg).splitlines()[0]})"
 
 
 def _one_path_as_list(cfg: DictConfig) -> None:

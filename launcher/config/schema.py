@@ -272,7 +272,8 @@ class RegenerateSettings(VllmServerSettings):
     seed: int = knob(0, "sampling seed (rank r uses seed + r)", ge=0)
     chat_template_kwargs: dict = knob({}, "passed to apply_chat_template, e.g. {enable_thinking: false}")
     on_bad_line: str = knob("fail", "fail | skip malformed input records", choices=BAD_LINE)
-    resume: bool = knob(True, "keep answers already in <output>.parts/ from an interrupted identical run")
+    resume: bool = knob(True, "keep the answers in <output>.parts/ of an interrupted run with the same settings (one "
+                        "with other settings is refused, naming them); false: discard them, answer every prompt")
     device: str = knob("auto", "auto (cuda when available) | cpu | cuda", choices=DEVICES)
     # At least 5 s, as run.timeout_s: gloo's connection set-up shares this timeout.
     timeout_s: float = knob(7200.0, "process-group timeout: ranks wait this long for the slowest one", ge=5)

@@ -9,6 +9,7 @@ of the batch's conversations that have one.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -100,10 +101,6 @@ def regenerate_batch(model, tokenizer, batch: list[Prompt], gen_config, stop_ids
 def run_hf(cfg: DictConfig, rank: int, world: int) -> int:
     import torch
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
-
-    from dflash_core.data import load_tokenizer
-    from dflash_core.target.capture import check_target_files
 
     r = cfg.regenerate
     device = resolve_device(r.device, "regenerate.device", int(os.environ.get("LOCAL_RANK", "0")))
@@ -113,12 +110,35 @@ def run_hf(cfg: DictConfig, rank: int, world: int) -> int:
     # without torchrun (no RANK), the job is one process: a group of one, over an in-memory store.
     single = {} if "RANK" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
     dist.init_process_group("gloo", timeout=timedelta(seconds=r.timeout_s), **single)
-    output, parts = Path(r.output).resolve(), part_files.parts_dir(cfg)
-    if rank == 0:
-        ensure_embedded_target(cfg, seed=0)
-        part_files.prepare_parts(cfg, parts, world)
-    dist.barrier()
+    with contextlib.ExitStack() as claimed:
+        failure = None
+        if rank == 0:   # one writer per output (held until the output is published)
+            try:
+                claimed.enter_context(part_files.claim_output(cfg))
+                ensure_embedded_target(cfg, seed=0)
+                part_files.prepare_parts(cfg, part_files.parts_dir(cfg), world)
+            except Exception as exc:  # noqa: BLE001 - raised below, once every rank heard of it
+                failure = exc
+        refusal = [None if failure is None else str(failure)]
+        dist.broadcast_object_list(refusal, src=0)
+        if failure is not None:
+            raise failure
+        if refusal[0] is not None:
+            raise OSError(f"rank 0 cannot start: {refusal[0]}")
+        return _answer(cfg, rank, world, device)
 
+
+def _answer(cfg: DictConfig, rank: int, world: int, device) -> int:
+    """This rank's share answered into its part file; rank 0 merges the parts into the output."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from dflash_core.data import load_tokenizer
+    from dflash_core.target.capture import check_target_files
+
+    r = cfg.regenerate
+    output, parts = Path(r.output).resolve(), part_files.parts_dir(cfg)
     tokenizer = load_tokenizer(Path(r.tokenizer) if r.tokenizer else target_dir(cfg))
     prompts, stats = part_files.load_prompts(cfg)
     part, done, mine, dropped = part_files.open_share(cfg, tokenizer, prompts[rank::world], parts, rank)

@@ -2,6 +2,13 @@
 part files answers are appended to as they finish (a rerun with the same settings answers only
 what is missing), merged in input order into the output at the end.
 
+One run writes an output at a time: it holds `<output>.lock` (launcher/run_io/lock.py) from before
+it looks at the output until after it published it, and a second run is refused naming the first.
+The parts record what their answers depend on (the generating settings, the input's resolved path
+and content digest, the target, the world size): a rerun with the same resumes them, one with other
+settings is refused naming what differs (regenerate.resume=false discards them, saying how many).
+They are removed only once the output is published.
+
 A part file holds one JSON line per finished prompt: {"index": position among the input's
 prompts, "record": the output record}. Output records: {"id", "conversations": [...turns...,
 {"role": "assistant", "content", "token_ids"?, "reasoning_content"?, "tool_calls"?}], "tools"?}:
@@ -11,8 +18,8 @@ re-tokenisation where they agree with the template (dflash_core.data.render).
 """
 from __future__ import annotations
 
-import hashlib
 import json
+import logging
 import os
 import shutil
 import threading
@@ -23,13 +30,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash_core.data import file_digest
 from dflash_core.data.prompts import Prompt, encode_prompts, iter_prompts
-from dflash_core.files.durable import atomic_file
+from dflash_core.files.durable import atomic_file, write_atomic
 from launcher.config import ConfigError
 from launcher.resolve import dataset_paths
+from launcher.run_io.lock import RunLock
 
+log = logging.getLogger("dflash")
 # Settings that change what gets generated: parts written under other values are not reused.
-_FINGERPRINT_KEYS = ("engine", "input", "tokenizer", "drop_last_assistant", "limit", "max_prompt_length",
-                     "max_new_tokens", "temperature", "top_p", "top_k", "seed", "chat_template_kwargs", "on_bad_line")
+# (regenerate.input and regenerate.tokenizer are recorded by what they are: see _generated_by.)
+_FINGERPRINT_KEYS = ("engine", "drop_last_assistant", "limit", "max_prompt_length", "max_new_tokens", "temperature",
+                     "top_p", "top_k", "seed", "chat_template_kwargs", "on_bad_line")
 _HF_FINGERPRINT_KEYS = ("batch_size",)   # left padding of a batch moves greedy near-ties
 
 
@@ -104,6 +114,22 @@ def check_output(cfg: DictConfig) -> None:
                           f"replace it, or choose another output")
 
 
+def claim_output(cfg: DictConfig) -> RunLock:
+    """One writer per output: `<output>.lock` held until the run ends (a second run on the output is
+    refused naming this one), then check_output under it, so no other run publishes the output
+    between the check and the end of this one."""
+    output = Path(cfg.regenerate.output).resolve()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    lock = RunLock.take(output.with_name(output.name + ".lock"), f"regenerate.output={cfg.regenerate.output!r}",
+                        "choose another regenerate.output")
+    try:
+        check_output(cfg)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
 def parts_dir(cfg: DictConfig) -> Path:
     output = Path(cfg.regenerate.output).resolve()
     return output.with_name(output.name + ".parts")
@@ -114,22 +140,47 @@ def part_file(parts: Path, rank: int) -> Path:
 
 
 # ----------------------------------------------------------------------------- part files
-def _fingerprint(cfg: DictConfig, world: int) -> str:
+def _generated_by(cfg: DictConfig, world: int) -> dict:
+    """What the answers depend on, by what each thing is rather than how it is spelt: the settings
+    that change the answers, the input's resolved path and content digest, the tokenizer's and the
+    target's resolved paths, and the number of ranks (each rank answers its own share)."""
     regenerate = OmegaConf.to_container(cfg.regenerate, resolve=True)
     keys = _FINGERPRINT_KEYS + (_HF_FINGERPRINT_KEYS if regenerate["engine"] == "hf" else ())
-    state = json.dumps({"settings": {key: regenerate[key] for key in keys}, "input": file_digest(input_path(cfg)),
-                        "target": str(Path(cfg.target.path).resolve()), "world": world}, sort_keys=True, default=str)
-    return hashlib.sha256(state.encode()).hexdigest()[:16]
+    source = input_path(cfg).resolve()
+    state = {**{f"regenerate.{key}": regenerate[key] for key in keys}, "regenerate.input": str(source),
+             "regenerate.input's content (sha256)": file_digest(source)[:16],
+             "regenerate.tokenizer": str(Path(regenerate["tokenizer"]).resolve()) if regenerate["tokenizer"] else None,
+             "target.path": str(Path(cfg.target.path).resolve()), "ranks (torchrun --nproc-per-node)": world}
+    return json.loads(json.dumps(state, default=str))   # as meta.json gives it back
+
+
+def _recorded(meta: Path) -> dict:
+    try:
+        return json.loads(meta.read_text()).get("generated_by") or {}
+    except (OSError, ValueError, AttributeError):   # absent, torn, or written by an older version
+        return {}
 
 
 def prepare_parts(cfg: DictConfig, parts: Path, world: int) -> None:
-    """Rank 0, before any rank writes: keep parts of an interrupted identical run, else start afresh."""
-    meta, fingerprint = parts / "meta.json", _fingerprint(cfg, world)
-    if parts.exists() and not (cfg.regenerate.resume and meta.is_file()
-                               and json.loads(meta.read_text()).get("fingerprint") == fingerprint):
-        shutil.rmtree(parts)
+    """Rank 0, before any rank writes: keep the parts of an interrupted run with the same settings;
+    refuse (ConfigError naming what differs) when the parts hold answers of a run with others, unless
+    regenerate.resume=false discards them."""
+    meta, now = parts / "meta.json", _generated_by(cfg, world)
+    if parts.exists():
+        kept = sum(len(read_part(file)) for file in parts.glob("rank*.jsonl"))
+        before = _recorded(meta)
+        if kept and not cfg.regenerate.resume:
+            log.warning("regenerate.resume=false: discarding the %d answers in %s of an earlier run", kept, parts)
+        elif kept and before != now:
+            differs = "; ".join(f"{key}: {before.get(key, 'not recorded')!r} then, {value!r} now"
+                                for key, value in now.items() if before.get(key) != value)
+            raise ConfigError(f"{parts} holds {kept} finished answers of an earlier run with other settings "
+                              f"({differs}): run with the earlier settings to resume it, or set "
+                              f"regenerate.resume=false to discard those answers and answer every prompt again")
+        if not kept or not cfg.regenerate.resume:
+            shutil.rmtree(parts)
     parts.mkdir(parents=True, exist_ok=True)
-    meta.write_text(json.dumps({"fingerprint": fingerprint}) + "\n")
+    write_atomic(meta, json.dumps({"generated_by": now}, indent=1) + "\n")
 
 
 def open_share(cfg: DictConfig, tokenizer, share: list[Prompt], parts: Path, rank: int

@@ -10,9 +10,12 @@ regenerated before it (the data's assistant turns are never sent). Of each answe
 the content, the reasoning (the server's reasoning field, else a leading <think> block split out
 of the content) as `reasoning_content`, the tool calls, and the generated token ids where the
 server returns them (vLLM's `return_token_ids`). A conversation is written to the part file, on
-disk, as soon as its last turn is answered; a server that stops answering leaves the prompts it
-held to the others, and when none is left the run stops saying which prompts are unanswered and
-that the same command resumes (parts.py).
+disk, as soon as its last turn is answered; a server that stops answering is down: the prompts it
+held go back to the queue for the others (whose workers wait while any prompt is still in flight),
+and it is asked again now and then and takes prompts once it answers (each change logged once).
+When every server is down the run stops saying which prompts are unanswered and that the same
+command resumes (parts.py); when the servers answered none of the prompts (refused them all) it
+stops with their reason, writing nothing.
 """
 from __future__ import annotations
 
@@ -20,11 +23,11 @@ import contextlib
 import json
 import logging
 import os
-import queue
 import shutil
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +57,11 @@ _LISTED = 10   # unanswered prompts named in the error
 
 class RegenerationIncomplete(ConnectionError):
     """Every server stopped answering with prompts left; the message says which and how to resume."""
+
+
+class NothingAnswered(ConnectionError):
+    """The servers answered none of the prompts (refused them all, e.g. an HTTP 404 for every chat
+    request): no output is written; the message gives the servers' reason."""
 
 
 # ----------------------------------------------------------------------------- one conversation
@@ -137,11 +145,101 @@ class Outcome:
     answered: set = field(default_factory=set)
     empty: set = field(default_factory=set)
     refused: dict = field(default_factory=dict)   # index -> the server's words
-    down: dict = field(default_factory=dict)      # url -> why it counts as down
+    down: dict = field(default_factory=dict)      # url -> why it counts as down, while it does
+    failed: dict = field(default_factory=dict)    # url -> why, of every server that was down at some time
     tokens: int = 0
     seconds: float = 0.0   # answering, from the first request to the last answer
     unfinished_turns: int = 0
     crashed: list = field(default_factory=list)   # an unexpected exception of a worker thread
+
+
+class _Pool:
+    """The prompts still to answer and the state of each server, shared by the worker threads. A
+    worker takes prompts while its server is up, and waits while none is queued but some are still
+    being answered elsewhere (a failing server gives them back). A server that fails a request
+    (ServerDown) is down: its prompts go back to the queue, one of its workers asks its /health every
+    `probe_s` seconds, and it takes prompts again once that, or a request still in flight, answers.
+    Each change of a server's state is logged once. The run ends when every prompt is handled, every
+    server is down, or a worker crashed."""
+
+    def __init__(self, prompts: list[Prompt], urls: list[str], outcome: Outcome, probe_s: float):
+        self.todo, self.open = deque(prompts), len(prompts)
+        self.urls, self.outcome, self.probe_s = urls, outcome, probe_s
+        self.probing: set[str] = set()
+        self.failures: dict[int, int] = {}   # prompt index -> requests of it that made a server count as down
+        self.cond = threading.Condition()
+
+    def _over(self) -> bool:
+        return bool(self.outcome.crashed) or self.open == 0 or len(self.outcome.down) == len(self.urls)
+
+    def take(self, client: OpenAIClient) -> Prompt | None:
+        """The next prompt for `client`'s server, or None when the run is over."""
+        url = client.url
+        while True:
+            with self.cond:
+                while not self._over() and (url in self.probing if url in self.outcome.down else not self.todo):
+                    self.cond.wait()
+                if self._over():
+                    return None
+                if url not in self.outcome.down:
+                    return self.todo.popleft()
+                self.probing.add(url)   # this worker probes its server; the others of it wait
+                self.cond.wait_for(self._over, timeout=self.probe_s)
+            back = not self._over() and client.healthy()
+            with self.cond:
+                self.probing.discard(url)
+                if back:
+                    self.up(url)
+                self.cond.notify_all()
+
+    def up(self, url: str) -> None:
+        """`url` answered (a request or /health): it takes prompts again if it was down."""
+        with self.cond:
+            if self.outcome.down.pop(url, None) is not None:
+                log.info("server %s is back up: it takes prompts again", url)
+                self.cond.notify_all()
+
+    def give_back(self, prompt: Prompt, url: str, why: str) -> None:
+        """`url` failed `prompt`: it goes back to the queue, and the server counts as down. A prompt
+        that failed more times than there are servers (one that makes every server fail, which
+        would else go round them for ever) is not asked again: it counts as refused."""
+        with self.cond:
+            self.failures[prompt.index] = failures = self.failures.get(prompt.index, 0) + 1
+            if failures > len(self.urls):
+                self.outcome.refused[prompt.index] = f"it failed {failures} times, on every server (the last: {why})"
+                self.open -= 1
+                log.warning("%s (id %r): not answered: %s", prompt.location, prompt.id,
+                            self.outcome.refused[prompt.index])
+            else:
+                self.todo.appendleft(prompt)
+            if url not in self.outcome.down:
+                self.outcome.down[url] = self.outcome.failed[url] = why
+                others = len(self.urls) - len(self.outcome.down)
+                log.warning("server %s is down (%s); %s", url, why,
+                            f"its prompts go to the {others} other server(s) until it answers again" if others
+                            else "no server is left answering")
+            self.cond.notify_all()
+
+    def done(self, prompt: Prompt, *, refused: str | None = None, conversation=None, tokens: int = 0,
+             unfinished: int = 0) -> int:
+        """`prompt` is handled: answered (`conversation`, None when it came back empty) or `refused`
+        (the server's words); returns how many prompts were refused so far."""
+        with self.cond:
+            outcome = self.outcome
+            if refused is not None:
+                outcome.refused[prompt.index] = refused
+            else:
+                (outcome.answered if conversation is not None else outcome.empty).add(prompt.index)
+            outcome.tokens += tokens
+            outcome.unfinished_turns += unfinished
+            self.open -= 1
+            self.cond.notify_all()
+            return len(outcome.refused)
+
+    def crash(self, err: BaseException) -> None:
+        with self.cond:
+            self.outcome.crashed.append(err)
+            self.cond.notify_all()
 
 
 def answer_all(clients: list[OpenAIClient], prompts: list[Prompt], requests: Requests, writer: PartWriter,
@@ -149,46 +247,39 @@ def answer_all(clients: list[OpenAIClient], prompts: list[Prompt], requests: Req
     """Every prompt answered by one of the clients, each record on disk as soon as it is complete."""
     from tqdm import tqdm
 
-    pending: queue.SimpleQueue = queue.SimpleQueue()
-    for prompt in prompts:
-        pending.put(prompt)
-    outcome, lock, started = Outcome(), threading.Lock(), time.perf_counter()
+    outcome, started = Outcome(), time.perf_counter()
+    # A down server is asked again at the longest wait between two retries of a request.
+    pool = _Pool(prompts, [client.url for client in clients], outcome,
+                 probe_s=clients[0].backoff_s * 2 ** clients[0].max_retries)
     bar = tqdm(total=len(prompts), unit=" prompts", desc="regenerating", file=sys.stderr, mininterval=1.0,
                dynamic_ncols=True)
 
     leaving = threading.Event()   # the main thread left (a signal, an error): take no more prompts
 
     def work(client: OpenAIClient) -> None:
-        while client.url not in outcome.down and not outcome.crashed and not leaving.is_set():
-            try:
-                prompt = pending.get_nowait()
-            except queue.Empty:
-                return
+        while not leaving.is_set() and (prompt := pool.take(client)) is not None:
             try:
                 conversation, tokens, unfinished = requests.converse(client, prompt)
                 if conversation is not None:
                     writer.write(prompt.index, output_record(prompt, conversation))
             except RequestRefused as err:
-                with lock:
-                    outcome.refused[prompt.index] = str(err)
-                log.warning("%s (id %r): refused, not answered: %s", prompt.location, prompt.id, err)
+                refusals = pool.done(prompt, refused=str(err))
+                if refusals <= _LISTED:   # the rest are counted (every request may be refused alike)
+                    log.warning("%s (id %r): refused, not answered: %s%s", prompt.location, prompt.id, err,
+                                "; further refusals are counted, not logged" if refusals == _LISTED else "")
                 continue
             except ServerDown as err:
-                pending.put(prompt)   # another server may answer it
+                pool.give_back(prompt, client.url, str(err))   # another server, or this one once back, answers it
                 if leaving.is_set():   # stopped by this run, not down
                     return
-                with lock:
-                    outcome.down.setdefault(client.url, str(err))
-                log.warning("server %s is down: %s", client.url, err)
-                return
+                continue
             except BaseException as err:  # noqa: BLE001 - raised again in the main thread
                 if not leaving.is_set():   # else the run is stopping: its servers going, its writer closed
-                    outcome.crashed.append(err)
+                    pool.crash(err)
                 return
-            with lock:
-                (outcome.answered if conversation is not None else outcome.empty).add(prompt.index)
-                outcome.tokens += tokens
-                outcome.unfinished_turns += unfinished
+            pool.up(client.url)
+            pool.done(prompt, conversation=conversation, tokens=tokens, unfinished=unfinished)
+            with pool.cond:
                 bar.set_postfix_str(f"{outcome.tokens / (time.perf_counter() - started):.1f} tokens/s", refresh=False)
                 bar.update(1)
 
@@ -229,6 +320,15 @@ def interrupted(exc: BaseException, part: Path, prompts: int) -> None:
         exc.left = (f"{kept} of {prompts} prompts answered and kept in {part.parent}; run the same command again "
                     f"to answer the other {prompts - kept}" if kept else
                     f"none of the {prompts} prompts was answered; run the same command again")
+
+
+def nothing_answered(outcome: Outcome, prompts: list[Prompt]) -> NothingAnswered:
+    """The error when no prompt got an answer to write: how many were refused and why, how many came back empty."""
+    refused = [f"{len(outcome.refused)} refused" + (f" (the first: {next(iter(outcome.refused.values()))[:300]})"
+                                                    if outcome.refused else "")] if outcome.refused else []
+    empty = [f"{len(outcome.empty)} answered with nothing"] if outcome.empty else []
+    return NothingAnswered(f"none of the {len(prompts)} prompts got an answer: {', '.join(refused + empty)}; no "
+                           f"output was written")
 
 
 # ----------------------------------------------------------------------------- servers
@@ -350,14 +450,19 @@ def run_served(cfg: DictConfig) -> int:
     except BaseException as exc:
         interrupted(exc, part, len(done) + len(todo))
         raise
-    if outcome.down and len(outcome.answered | outcome.empty | set(outcome.refused)) < len(todo):
+    if len(outcome.answered | outcome.empty | set(outcome.refused)) < len(todo):
         raise RegenerationIncomplete("\n".join([str(incomplete(outcome, todo, len(done), parts)), *deaths]))
+    if not outcome.answered and not done:   # nothing to publish: no output, and no answer in the parts to keep
+        shutil.rmtree(parts)
+        raise nothing_answered(outcome, todo)
     written = merge_parts(parts, 1, len(prompts), output)
     shutil.rmtree(parts)
     counts = {"answered": len(outcome.answered), "empty": len(outcome.empty), "refused": len(outcome.refused),
               "unfinished_turns": outcome.unfinished_turns, **dropped, "resumed": len(done),
               "new_tokens": outcome.tokens}
-    log.info("wrote %d records to %s (input %s; this run %s; answered in %.1fs, %.1f new tokens/s over %d servers)",
+    failed = "".join(f"; server {url} was down for a while ({why}): its prompts went to the others"
+                     for url, why in outcome.failed.items())
+    log.info("wrote %d records to %s (input %s; this run %s; answered in %.1fs, %.1f new tokens/s over %d servers%s)",
              written, output, stats, counts, outcome.seconds, outcome.tokens / max(outcome.seconds, 1e-9),
-             len(urls or ()))
+             len(urls or ()), failed)
     return 0

@@ -6,8 +6,10 @@ Every request takes one path with one retry policy. A request the server failed 
 refused, reset, timed out or torn; HTTP 5xx; 429) is retried after waits that double from
 `backoff_s`; after `max_retries` retries the server counts as down (ServerDown). A request it
 refused for what it asked (another HTTP 4xx: a prompt over the context, a bad parameter) is not
-retried (RequestRefused): another server would refuse it too. Errors name the method, the URL, the
-HTTP code with the server's own words, and the attempts.
+retried (RequestRefused): another server would refuse it too. A completion answered without its
+`choices` (an HTTP 200 from something that is not quite an OpenAI server: a proxy's error page, a
+truncated answer) counts as a failed request, saying what was missing. Errors name the method, the
+URL, the HTTP code with the server's own words, and the attempts.
 
 The standard library's urllib carries the requests: the `openai` package waits between retries on
 its own schedule (not `backoff_s`), retries 408 and 409 too and knows no /health or /metrics, and
@@ -32,6 +34,20 @@ class ServerDown(ServerError):
 
 class RequestRefused(ServerError):
     """The server answered a request with an HTTP 4xx other than 429."""
+
+
+def _completion(text: str, part: str | None = None) -> dict:
+    """A completion's JSON body; ValueError saying what is missing when it holds no choice (with
+    `part`, e.g. "message")."""
+    answer = json.loads(text)
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not (isinstance(choices, list) and choices and isinstance(choices[0], dict)):
+        missing = "`choices`"
+    elif part is not None and not isinstance(choices[0].get(part), dict):
+        missing = f"`choices[0].{part}`"
+    else:
+        return answer
+    raise ValueError(f"HTTP 200 without {missing} (the answer: {text[:300]})")
 
 
 class OpenAIClient:
@@ -95,7 +111,8 @@ class OpenAIClient:
 
     def chat(self, payload: dict) -> dict:
         """The response of POST /v1/chat/completions (`model` filled in)."""
-        return self._request("/v1/chat/completions", {"model": self.model, **payload})
+        return self._request("/v1/chat/completions", {"model": self.model, **payload},
+                             read=lambda text: _completion(text, "message"))
 
     def complete_ids(self, prompt_ids: list[int], *, max_tokens: int, stop_token_ids: list[int]) -> list[int]:
         """Greedy completion of token ids (POST /v1/completions) -> the generated ids (the stop
@@ -103,7 +120,7 @@ class OpenAIClient:
         payload = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": 0.0,
                    "stop_token_ids": list(stop_token_ids), "include_stop_str_in_output": True,
                    "skip_special_tokens": False, "return_token_ids": True}
-        choice = self._request("/v1/completions", payload)["choices"][0]
+        choice = self._request("/v1/completions", payload, read=_completion)["choices"][0]
         if choice.get("token_ids") is None:
             raise ServerError(f"{self.url} returned no token_ids: a vLLM without `return_token_ids` (use >= 0.10.2)")
         return list(choice["token_ids"])
