@@ -36,21 +36,18 @@ Examples:
 
 
 def load_drafter(path, *, device=None, dtype=None):
-    """A DFlashDrafter from an exported HF directory (config.json) or a training checkpoint
+    """A DFlash or DFlash 2 drafter from an exported HF directory (config.json) or a training checkpoint
     directory (meta.json + state.pt), in eval mode. Non-finite weights (a diverged run) are refused:
     they would "draft" nothing and report a meaningless acceptance length."""
-    from dflash_core.drafter.model import DFlashDrafter, DrafterConfig
     from dflash_core.serving.export import CONFIG_NAME, load_exported
     from dflash_core.serving.finite import check_finite
-    from launcher.run_io import checkpoint
+    from launcher.export import drafter_from_checkpoint
 
     path = Path(path)
     if (path / CONFIG_NAME).is_file():
         drafter = load_exported(path)
     elif (path / "meta.json").is_file():
-        _, state = checkpoint.load(path)
-        drafter = DFlashDrafter(DrafterConfig(**state["drafter_config"]))
-        drafter.load_state_dict(state["model"])
+        _, drafter = drafter_from_checkpoint(path)
     else:
         raise ConfigError(f"evaluate.drafter={str(path)!r}: neither an exported drafter (no {CONFIG_NAME}) "
                           f"nor a checkpoint directory (no meta.json)")

@@ -203,10 +203,6 @@ def schedule(cfg: DictConfig, topology: Topology) -> Schedule:
 
 def check_combinations(cfg: DictConfig) -> None:
     """Settings that are valid alone but not together; checked before any process group forms."""
-    if cfg.drafter.kind == "dflash2":
-        raise ConfigError("drafter.kind=dflash2: training a DFlash 2 drafter is not built yet (its selector loss, "
-                          "metrics and warm start are to come, issue 43); its model and export are "
-                          "(dflash_core/drafter/dflash2.py); train with drafter.kind=dflash (the default)")
     if cfg.target.parallel == "replicate" and cfg.target.tp_size != 1:
         raise ConfigError(f"target.tp_size={cfg.target.tp_size}: must be 1 with target.parallel=replicate "
                           f"(set target.parallel=tensor to shard the target)")
@@ -247,7 +243,8 @@ def step_settings(drafter: DrafterSettings, backend: str, compiled: bool) -> Ste
                         gamma=default_gamma(drafter.block_size) if drafter.gamma is None else drafter.gamma,
                         dpace_alpha=drafter.dpace_alpha, backend=backend, chunk_blocks=drafter.chunk_blocks,
                         feature_noise_std=drafter.feature_noise_std, compiled=compiled,
-                        matmul_precision=drafter.matmul_precision, fp8_recipe=drafter.fp8_recipe)
+                        matmul_precision=drafter.matmul_precision, fp8_recipe=drafter.fp8_recipe,
+                        selector_weight=drafter.selector_weight, selector_detach=drafter.selector_detach)
 
 
 def resolve(cfg: DictConfig, topology: Topology, device: torch.device) -> Job:
