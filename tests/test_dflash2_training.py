@@ -183,3 +183,35 @@ def test_a_launched_dflash2_run_trains_evaluates_and_resumes_bitwise(tmp_path, t
     assert final[0].keys() == final[1].keys() and any("candidate_selector" in key for key in final[0])
     for key in final[0]:
         assert torch.equal(final[0][key], final[1][key]), key
+
+
+def test_the_compiled_step_matches_eager_and_compiles_once():
+    """drafter.compile: the DFlash 2 layers (convolutions around attention and MLP) through the one compiled
+    layer graph, the selector term beside it: the loss and gradients of eager (CPU, sdpa), and a second
+    micro-batch of the same shape compiles nothing new."""
+    from dflash_core.drafter.compile import compile_count
+    eager = dflash2()
+    compiled = copy.deepcopy(eager)
+    head = FrozenTargetHead.random(VOCAB, SMALL["hidden_size"], seed=1)
+    names = ("drafter_layer", "head_loss", "rms_norm", "context_projection")
+    before = {name: compile_count(name) for name in names}
+    for seed in (0, 1):
+        ids, mask, hidden = batch(seed=seed, rows=2, seq_len=28)
+        outs = []
+        for model, is_compiled in ((eager, False), (compiled, True)):
+            out = drafter_step(model, head, ids, mask, hidden,
+                               step_settings(model, num_anchors=6, chunk_blocks=3, compiled=is_compiled),
+                               generator=torch.Generator().manual_seed(seed))
+            out.loss_sum.backward()
+            outs.append((out, {name: p.grad for name, p in model.named_parameters()}))
+            model.zero_grad()
+        (want, want_grads), (got, got_grads) = outs
+        # Inductor fuses and reorders fp32 sums (as for DFlash, tests/test_objective.py).
+        torch.testing.assert_close(got.loss_sum, want.loss_sum, rtol=1e-5, atol=1e-6)
+        assert torch.equal(got.counts.recall_hits, want.counts.recall_hits)
+        for name, grad in got_grads.items():
+            torch.testing.assert_close(grad, want_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        if seed == 0:
+            first = {name: compile_count(name) - before[name] for name in names}
+    assert first == dict.fromkeys(names, 1)
+    assert {name: compile_count(name) - before[name] for name in names} == first
