@@ -36,7 +36,8 @@ log = logging.getLogger("dflash")
 _SHAPE_OVERRIDES = ("hidden_size", "intermediate_size", "layer_types", "sliding_window")
 # The drafter.* key that sets a DrafterConfig field (the others come from the target checkpoint).
 _DRAFTER_KEYS = {"num_hidden_layers": "num_layers", "block_size": "block_size", "target_layer_ids": "target_layer_ids",
-                 "mask_token_id": "mask_token_id", **{key: key for key in _SHAPE_OVERRIDES}}
+                 "mask_token_id": "mask_token_id", "kind": "kind",
+                 **{key: key for key in (*_SHAPE_OVERRIDES, *DFLASH2_KEYS)}}
 _BUNDLED = {"bundled:tiny_chat": BUNDLED_DATASET}
 _LENGTH_LIMITS = {"data.max_length": "truncates longer ones",
                   "data.fixed_length": "is the row length, which a conversation must fit"}
@@ -122,7 +123,8 @@ def drafter_config(cfg: DictConfig, hf_config) -> DrafterConfig:
 
 def warm_start(cfg: DictConfig, dcfg: DrafterConfig) -> WarmStart | None:
     """drafter.init_from checked on every rank before anything loads: a directory holding an export
-    whose drafter is exactly the configured one (else a ConfigError naming each differing field)."""
+    whose drafter is exactly the configured one, or the DFlash backbone of a configured DFlash 2 (else a
+    ConfigError naming each differing field)."""
     from dflash_core.serving.export import CONFIG_NAME, WEIGHTS_NAME, config_differences, weights_digest
     setting = cfg.drafter.init_from
     if setting is None:

@@ -12,6 +12,7 @@ from dflash_core.loss.frozen_head import FrozenTargetHead
 from dflash_core.loss.head_loss import loss_weights
 from dflash_core.loss.objective import block_input_ids, block_labels, drafter_step, evaluate_tau
 from dflash_core.loss.selector_loss import selector_terms
+from dflash_core.serving.model_card import read_card_info
 from tests.drafters import SMALL, step_settings
 from tests.launching import tiny_overrides, torchrun
 
@@ -170,8 +171,20 @@ def test_a_launched_dflash2_run_trains_evaluates_and_resumes_bitwise(tmp_path, t
     train = [r for r in records if r["kind"] == "train"]
     assert train[-1]["loss"] < train[0]["loss"] and train[-1]["selector_loss"] < train[0]["selector_loss"]
     evals = [r for r in records if r["kind"] == "eval"]
-    assert len(evals) == 2 and all({"unary_decode_tau", "oracle_decode_tau", "recall_at_k", "selector_acc"}
-                                   <= set(r) for r in evals)
+    figures = {"unary_decode_tau", "oracle_decode_tau", "recall_at_k", "selector_acc"}
+    assert len(evals) == 2 and all(figures <= set(r) for r in evals)
+    # The held-out figures reach summary.json, the end summary and the export's card.
+    held_out = json.loads((straight / "summary.json").read_text())["held_out"]
+    assert held_out == {key: value for key, value in evals[-1].items() if key not in ("kind", "step")}
+    assert held_out["oracle_decode_tau"] >= held_out["decode_tau"] and held_out["recall_at_k"] >= held_out["acc"]
+    assert f"held-out: decoding tau {held_out['decode_tau']:.3f}" in proc.stderr
+    assert f"[selector walk; unary-only walk {held_out['unary_decode_tau']:.3f}, oracle walk" in proc.stderr
+    card = read_card_info(straight / "export")
+    assert card["heldout_tau"] == held_out["decode_tau"]
+    assert card["heldout_unary_tau"] == held_out["unary_decode_tau"]
+    assert card["heldout_recall_at_k"] == held_out["recall_at_k"]
+    assert "Held-out tau of the unary top-1 walk" in (straight / "export" / "README.md").read_text()
+    assert json.loads((straight / "export" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
 
     resumed = tmp_path / "resumed"
     assert torchrun(3, *common, f"run.dir={resumed}", "fault.rank=1", "fault.step=6").returncode != 0

@@ -109,6 +109,20 @@ def test_dflash2_round_trip_in_vllms_layout(tmp_path):
     assert torch.equal(drafter_output(loaded), drafter_output(drafter))
 
 
+def test_a_dflash2_checkpoint_is_exported_and_evaluated_as_a_dflash2(tmp_path):
+    """launcher.export and launcher.evaluate read a checkpoint's drafter kind from the config it records."""
+    drafter = dflash2_to_export()
+    state = {"step": 3, "model": drafter.state_dict(), "drafter_config": dataclasses.asdict(drafter.config)}
+    ckpt = checkpoint.save(tmp_path / "checkpoints", 3, state, keep=1)
+    export_cli.export_checkpoint(ckpt, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+    for loaded in (load_exported(tmp_path / "out"), load_drafter(ckpt)):
+        assert type(loaded) is DFlash2Drafter and loaded.config == drafter.config
+    exported = load_exported(tmp_path / "out").state_dict()
+    for name, value in drafter.state_dict().items():   # the export's bf16 of every weight
+        assert torch.equal(exported[name], value.to(torch.bfloat16).float()), name
+
+
 def test_an_uncapped_dflash2_export_leaves_the_cap_out(tmp_path):
     drafter = dflash2_to_export()
     drafter.config.final_logit_softcapping = None

@@ -19,6 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from dflash_core.drafter import dflash2
 from dflash_core.drafter.dflash2 import DFlash2Config, build_drafter
 from dflash_core.drafter.model import DFlashDrafter
 from dflash_core.kernels import fp8
@@ -145,8 +146,12 @@ class DrafterTrainer:
 
     def start_from(self, source: WarmStart) -> None:
         """The drafter's weights from an export (drafter.init_from); the optimiser's moments, its step count
-        and the schedule stay those of a fresh run."""
-        self.optimizer.load_model_state_dict(load_exported(source.path).state_dict())
+        and the schedule stay those of a fresh run. A DFlash export starting a DFlash 2 gives its backbone;
+        the convolutions and the selector keep their identity start, so step 0 drafts what the export does."""
+        exported = load_exported(source.path)
+        new_parts = dflash2.parameter_names(self.dcfg) if isinstance(self.dcfg, DFlash2Config) and not isinstance(
+            exported.config, DFlash2Config) else ()
+        self.optimizer.load_model_state_dict(exported.state_dict(), keep=new_parts)
 
     def load_state(self, state: dict) -> None:
         self.optimizer.load_model_state_dict(state["model"])

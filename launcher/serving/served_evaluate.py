@@ -19,18 +19,27 @@ from omegaconf import DictConfig, OmegaConf
 from launcher.config import ConfigError
 from launcher.serving.acceptance import prompt_row, summarize
 from launcher.serving.openai_client import OpenAIClient
-from launcher.serving.vllm_server import VllmServer, parse_spec_counters
+from launcher.serving.vllm_server import ServerExited, VllmServer, parse_spec_counters
 
 log = logging.getLogger("dflash")
 
 
-def export_block_size(drafter: str) -> int:
-    """A servable drafter is an export (config.json with dflash_config); its block size."""
+# Why a vLLM build refuses a DFlash 2 export, as its own code says (vllm/config/vllm.py, 0.32).
+DFLASH2_REFUSAL_REASON = ("vLLM drafts DFlash 2 (the selector's walk through each slot's top-K) only in its V2 model "
+                          "runner: its V1 runner would draft the checkpoint as plain DFlash, so it refuses it, and its "
+                          "CPU build runs V2 only with a Triton that has a CPU backend, which PyPI's triton lacks")
+
+
+def served_export(drafter: str) -> tuple[int, bool]:
+    """A servable drafter is an export (config.json with dflash_config): its block size, and whether it
+    is a DFlash 2."""
+    from dflash_core.drafter.dflash2 import ARCHITECTURE
     config = Path(drafter) / "config.json"
     if not config.is_file():
         raise ConfigError(f"evaluate.drafter={drafter!r}: evaluate.engine=vllm serves an exported drafter "
                           f"(a directory with config.json), not a checkpoint; export it first (launcher.export)")
-    return int(json.loads(config.read_text())["dflash_config"]["block_size"])
+    values = json.loads(config.read_text())
+    return int(values["dflash_config"]["block_size"]), ARCHITECTURE in (values.get("architectures") or ())
 
 
 def speculative_config(drafter: str, block_size: int) -> dict:
@@ -94,7 +103,7 @@ def evaluate_served(cfg: DictConfig) -> dict:
     ev = cfg.evaluate
     # The HF engine's compute dtype (target.dtype on evaluate.device), so both engines compare alike.
     dtype = str(compute_dtype(cfg.target.dtype, resolve_device(ev.device, "evaluate.device"))).removeprefix("torch.")
-    block_size = export_block_size(str(ev.drafter))
+    block_size, dflash2 = served_export(str(ev.drafter))
     if ev.endpoint is None:
         ensure_embedded_target(cfg, ev.seed)
     path = target_dir(cfg)
@@ -114,9 +123,17 @@ def evaluate_served(cfg: DictConfig) -> dict:
                           f"evaluate.plain_endpoint (a server of the same target without speculation), "
                           f"or set evaluate.check_lossless=false")
 
-    with _client(ev.endpoint, path, speculative_config(str(ev.drafter), block_size), ev, dtype,
-                 max_model_len) as client:
-        speculative, spec_s = decode_speculative(client, prompts, max_tokens=ev.max_new_tokens, stop=stop)
+    try:
+        with _client(ev.endpoint, path, speculative_config(str(ev.drafter), block_size), ev, dtype,
+                     max_model_len) as client:
+            speculative, spec_s = decode_speculative(client, prompts, max_tokens=ev.max_new_tokens, stop=stop)
+    except ServerExited as exc:
+        if not (dflash2 and exc.refusal):
+            raise
+        raise ConfigError(f"evaluate.engine=vllm: this vLLM build refuses to serve the DFlash 2 export "
+                          f"{ev.drafter}: \"{exc.refusal}\" ({DFLASH2_REFUSAL_REASON}); measure it with "
+                          f"evaluate.engine=hf, which decodes with the walk vLLM drafts, or serve it with a vLLM "
+                          f"build whose V2 model runner runs (on a GPU)") from None
     references, greedy_s = [None] * len(prompts), None
     if ev.check_lossless:
         with _client(ev.plain_endpoint, path, None, ev, dtype, max_model_len) as client:
