@@ -143,10 +143,14 @@ def render_model_card(info, config):
     # One line of JSON is also valid YAML: the Hub's card parser and read_card_info both read it.
     front_matter = ["---", "library_name: transformers", "tags:", "- dflash", "- speculative-decoding",
                     f"{_INFO_KEY}: {json.dumps(info, sort_keys=True, default=str)}", "---", ""]
-    title = f"# DFlash drafter for {target}" if target else "# DFlash drafter"
-    intro = ("A DFlash block-diffusion draft model for speculative decoding, trained with dflash-launcher. "
+    kind = "DFlash 2" if "selector_top_k" in config.get("dflash_config", {}) else "DFlash"
+    title = f"# {kind} drafter for {target}" if target else f"# {kind} drafter"
+    intro = (f"A {kind} block-diffusion draft model for speculative decoding, trained with dflash-launcher. "
              "It drafts a block of tokens in one forward pass from the target's hidden states; it has no "
              "embedding and no LM head of its own (it uses the target's).")
+    if kind == "DFlash 2":
+        intro += (" Its candidate selector rescores each slot's top-K tokens by the token before it; serving "
+                  "drafts its greedy walk through them.")
     extra = {k: v for k, v in info.items() if k not in {**FIELDS, **SELECTOR_FIELDS} and k not in _SHOWN_ELSEWHERE}
     training = [(label, _training_value(key, info)) for key, label in FIELDS.items()]
     training += [(label, _format(info[key])) for key, label in SELECTOR_FIELDS.items() if key in info]
@@ -191,6 +195,10 @@ def _architecture(config):
             "hidden_size", "num_attention_heads", "num_key_value_heads"))),
         ("Layer types", _format(config.get("layer_types"))),
         ("Weights dtype", _format(config.get("torch_dtype"))),
+        *([("Selector top-K / rank", f"{_format(dflash['selector_top_k'])} / {_format(dflash.get('selector_rank'))}"),
+           ("Convolution taps / channels per coefficient",
+            f"{_format(dflash.get('conv_kernel_size'))} / {_format(dflash.get('conv_group_size'))}")]
+          if "selector_top_k" in dflash else []),
     ]
 
 
