@@ -94,6 +94,8 @@ def test_the_step_equals_the_objective_written_out_with_its_gradients():
     summary = counts.summary()
     assert summary["loss"] == pytest.approx(float(want.detach() / want_weight))
     assert summary["recall_at_k"] == pytest.approx(float(counts.recall_hits / supervised))
+    # A training step runs no walk: its tau is the unary top-1's, the oracle's counts any top-K hit.
+    assert summary["unary_tau"] == summary["tau"] <= summary["oracle_tau"] and summary["decode_tau"] == 0
 
 
 def test_selector_terms_mask_the_label_where_it_is_a_candidate_and_count_recall_and_picks():

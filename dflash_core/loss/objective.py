@@ -47,7 +47,8 @@ class StepCounts:
     """Sums that add across micro-batches, accumulation steps and drafter ranks. Training,
     held-out evaluation and `evaluate_tau` all report these; `summary()` turns them into means.
     tau_sum and walk_*: the drafted walk, which held-out evaluation follows as serving does (DFlash 2:
-    the selector's greedy walk); a training step runs no walk, and its tau_sum is the unary top-1's."""
+    the selector's greedy walk); a training step runs no walk (walk_* stay 0) and its tau_sum is the unary
+    top-1's."""
     loss_sum: torch.Tensor      # the optimised loss sum (detached): weighted CE (+ selector_weight x selector CE)
     weight_sum: torch.Tensor    # sum of the loss weights
     tau_sum: torch.Tensor       # sum over valid blocks of 1 + leading correct slots
@@ -58,7 +59,7 @@ class StepCounts:
     walk_steps: torch.Tensor    # ... and the verify steps it would take (decoding_walk)
     # DFlash 2 only (0 for DFlash): the selector's weighted K-way CE sum (not times selector_weight), the
     # supervised slots whose label is in the unary top-K and whose teacher-forced selector pick is the label;
-    # held-out, tau_sum and walk_* of the unary-only walk and of the oracle walk.
+    # tau_sum and (held out) walk_* of the unary-only walk and of the oracle walk.
     selector_loss_sum: torch.Tensor
     recall_hits: torch.Tensor
     selector_hits: torch.Tensor
@@ -216,9 +217,10 @@ def _counts(blocks: _Blocks, keep):
     values = dict(loss_sum=blocks.loss_sum, weight_sum=blocks.head.weight_sum, tau_sum=((1 + accepted) * keep).sum(),
                   tau_count=keep.sum(), anchor_slots=keep.numel())
     if selector:
-        drafted = supervised[..., 1:]
-        values.update(selector_loss_sum=blocks.selector_sum, recall_hits=(blocks.selector.recalled & drafted).sum(),
-                      selector_hits=(blocks.selector.picked & drafted).sum(), unary_tau_sum=values["tau_sum"])
+        drafted, recalled = supervised[..., 1:], blocks.selector.recalled
+        values.update(selector_loss_sum=blocks.selector_sum, recall_hits=(recalled & drafted).sum(),
+                      selector_hits=(blocks.selector.picked & drafted).sum(), unary_tau_sum=values["tau_sum"],
+                      oracle_tau_sum=((1 + leading(recalled, drafted)) * keep).sum())
     counts = StepCounts(**{name: _scalar(values.get(name, 0), keep.device) for name in _SCALARS},
                         slot_correct=hit.sum(dim=(0, 1)).double(), slot_weight=supervised.sum(dim=(0, 1)).double(),
                         selector=selector)
@@ -295,8 +297,7 @@ def evaluate_tau(drafter, head, input_ids, loss_mask, hidden, settings: StepSett
                                         blocks.head.candidate_ids, labels[..., 0], labels[..., 1:])
             chunk_accepted = {"": leading(walked, supervised), "unary_": unary_accepted,
                               "oracle_": leading(blocks.selector.recalled, supervised)}
-            for walk in ("", "oracle_"):
-                setattr(counts, f"{walk}tau_sum", ((1 + chunk_accepted[walk]) * chunk_keep).sum().double())
+            counts.tau_sum = ((1 + chunk_accepted[""]) * chunk_keep).sum().double()
         totals = totals + counts
         for walk, parts in accepted.items():
             parts.append(chunk_accepted[walk])
