@@ -228,5 +228,7 @@ def test_the_compiled_step_matches_eager_and_compiles_once():
             torch.testing.assert_close(grad, want_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
         if seed == 0:
             first = {name: compile_count(name) - before[name] for name in names}
-    assert first == dict.fromkeys(names, 1)
+    # The DFlash 2 layer is one graph of its own; the others at most one each (none where an earlier test of the
+    # session compiled the same shapes already); the second micro-batch none at all.
+    assert first["drafter_layer"] == 1 and set(first.values()) <= {0, 1}
     assert {name: compile_count(name) - before[name] for name in names} == first
