@@ -36,21 +36,18 @@ Examples:
 
 
 def load_drafter(path, *, device=None, dtype=None):
-    """A DFlashDrafter from an exported HF directory (config.json) or a training checkpoint
+    """A DFlash or DFlash 2 drafter from an exported HF directory (config.json) or a training checkpoint
     directory (meta.json and its shards), in eval mode. Non-finite weights (a diverged run) are refused:
     they would "draft" nothing and report a meaningless acceptance length."""
-    from dflash_core.drafter.model import DFlashDrafter, DrafterConfig
     from dflash_core.serving.export import CONFIG_NAME, load_exported
     from dflash_core.serving.finite import check_finite
-    from launcher.run_io import checkpoint
+    from launcher.export import drafter_from_checkpoint
 
     path = Path(path)
     if (path / CONFIG_NAME).is_file():
         drafter = load_exported(path)
     elif (path / "meta.json").is_file():
-        _, config, weights = checkpoint.load_weights(path)
-        drafter = DFlashDrafter(DrafterConfig(**config))
-        drafter.load_state_dict(weights)
+        _, drafter = drafter_from_checkpoint(path)
     else:
         raise ConfigError(f"evaluate.drafter={str(path)!r}: neither an exported drafter (no {CONFIG_NAME}) "
                           f"nor a checkpoint directory (no meta.json)")
@@ -100,7 +97,7 @@ def evaluate(cfg: DictConfig) -> dict:
 
     from dflash_core.data import load_tokenizer
     from dflash_core.data.prompts import stop_token_ids
-    from dflash_core.serving.speculative import greedy_decode, speculative_generate
+    from dflash_core.serving.speculative import default_walk, greedy_decode, speculative_generate
     from dflash_core.target.capture import check_target_files
 
     ev = cfg.evaluate
@@ -121,11 +118,19 @@ def evaluate(cfg: DictConfig) -> dict:
                                     max_prompt_tokens=max_prompt, chat_template_kwargs=template_kwargs)
     eos = stop_token_ids(tokenizer, target.generation_config, template_kwargs)
 
-    per_prompt, spec_s, greedy_s = [], 0.0, 0.0
+    # A DFlash 2 drafts with its selector's walk, as vLLM does, and decodes again with its unary top-1 alone: what
+    # the selector adds.
+    walk = default_walk(drafter)
+    per_prompt, unary_rows, spec_s, greedy_s = [], [], 0.0, 0.0
     for ids in prompts:
         started = time.perf_counter()
         result = speculative_generate(target, drafter, ids, max_new_tokens=ev.max_new_tokens, eos_token_id=eos)
         spec_s += time.perf_counter() - started
+        if walk != "unary":
+            unary = speculative_generate(target, drafter, ids, max_new_tokens=ev.max_new_tokens, eos_token_id=eos,
+                                         walk="unary")
+            unary_rows.append(prompt_row(ids, unary.tokens, len(unary.accepted),
+                                         per_position_from_steps(unary.accepted, block_size)))
         reference = None
         if ev.check_lossless:
             started = time.perf_counter()
@@ -134,9 +139,23 @@ def evaluate(cfg: DictConfig) -> dict:
         row = prompt_row(ids, result.tokens, len(result.accepted),
                          per_position_from_steps(result.accepted, block_size), reference)
         per_prompt.append({**row, "accepted": result.accepted})
-    return {"engine": "hf", "drafter": str(ev.drafter), "target": str(path), "device": str(device),
-            "dtype": str(dtype).removeprefix("torch."), "skipped": skipped, "max_new_tokens": ev.max_new_tokens,
-            **summarize(per_prompt, block_size, speculative_s=spec_s, greedy_s=greedy_s)}
+    summary = {"engine": "hf", "drafter": str(ev.drafter), "target": str(path), "device": str(device),
+               "dtype": str(dtype).removeprefix("torch."), "skipped": skipped, "max_new_tokens": ev.max_new_tokens,
+               "walk": walk, **summarize(per_prompt, block_size, speculative_s=spec_s, greedy_s=greedy_s)}
+    if unary_rows:
+        unary = summarize(unary_rows, block_size, speculative_s=0.0, greedy_s=None)
+        summary["unary_walk"] = {key: unary[key] for key in ("tau", "verify_steps", "per_position", "histogram",
+                                                             "tokens_per_target_forward")}
+    return summary
+
+
+def _unary_walk_row(summary: dict) -> list[tuple[str, str]]:
+    """A DFlash 2's unary top-1 walk beside its selector's: what the selector adds."""
+    unary = summary.get("unary_walk")
+    if not unary or unary["tau"] is None:
+        return []
+    lift = f" (the selector: {100 * (summary['tau'] / unary['tau'] - 1):+.1f}%)" if summary["tau"] else ""
+    return [("mean tau, unary top-1 walk", f"{unary['tau']:.3f}{lift}")]
 
 
 def _rate(summary: dict, key: str) -> str:
@@ -153,7 +172,9 @@ def format_table(summary: dict) -> str:
         ("engine", summary["engine"]),
         ("prompts", str(summary["prompts"])),
         ("block size", str(summary["block_size"])),
-        ("mean tau (accepted + 1)", tau),
+        ("mean tau (accepted + 1)", tau + (" (the selector's greedy walk, as vLLM drafts)"
+                                           if summary.get("walk") == "selector" else "")),
+        *_unary_walk_row(summary),
         ("accepted per position", "  ".join(str(n) for n in summary["per_position"])),
         ("acceptance histogram", "  ".join(f"{k}:{n}" for k, n in summary["histogram"].items())),
         ("tokens per target forward", f"{summary['tokens_per_target_forward']:.3f}"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from dflash_core.drafter.model import DFlashDrafter, DrafterConfig
+from dflash_core.drafter.dflash2 import build_drafter, config_from_fields
 from dflash_core.serving.export import export_drafter
 from dflash_core.serving.model_card import TARGET_IDENTITY, target_identity
 from launcher.config import ConfigError, compose_config
@@ -18,10 +18,16 @@ Example:
   python -m launcher.export export.checkpoint=runs/qwen3-8b/checkpoints/step_00020000 export.out=/models/drafter"""
 
 
-def export_checkpoint(path: Path, out: Path, *, overwrite: bool = False, card: dict | None = None) -> Path:
+def drafter_from_checkpoint(path: Path):
+    """(step, the drafter, DFlash or DFlash 2 as the checkpoint records it, with its weights)."""
     step, config, weights = checkpoint.load_weights(path)
-    drafter = DFlashDrafter(DrafterConfig(**config))
+    drafter = build_drafter(config_from_fields(config))
     drafter.load_state_dict(weights)
+    return step, drafter
+
+
+def export_checkpoint(path: Path, out: Path, *, overwrite: bool = False, card: dict | None = None) -> Path:
+    step, drafter = drafter_from_checkpoint(path)
     card = {**run_facts(path), "steps": step, "checkpoint": str(Path(path).resolve()), **(card or {})}
     return export_drafter(drafter, out, overwrite=overwrite, card=card)
 

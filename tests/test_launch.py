@@ -51,6 +51,7 @@ def test_t1d2_end_to_end(tmp_path, tiny_target_dir):
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["tokens"] > 0
+    assert summary["held_out"]["decode_tau"] >= 1 and "unary_decode_tau" not in summary["held_out"]   # a DFlash
     ranks = summary["ranks"]
     assert len({r["pid"] for r in ranks}) == 3 and len({r["cache_dir"] for r in ranks}) == 3
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

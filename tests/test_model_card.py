@@ -79,3 +79,20 @@ def test_table_cells_survive_pipes_and_newlines(tmp_path):
     card = (tmp_path / "out" / "README.md").read_text()
     assert "| Command | `python -m x \\| tee log` |" in card and "| note | two lines |" in card
     assert read_card_info(tmp_path / "out") == info
+
+
+def test_a_dflash2_card_shows_its_selector_figures_and_its_lift(tmp_path):
+    from tests.test_export import dflash2_to_export
+    figures = {"heldout_unary_tau": 2.9, "heldout_oracle_tau": 4.5, "heldout_recall_at_k": 0.93,
+               "heldout_selector_acc": 0.71}
+    export_drafter(dflash2_to_export(), tmp_path / "out", card={**INFO, **figures})
+    card = (tmp_path / "out" / "README.md").read_text()
+    for text in ("# DFlash 2 drafter for /models/Qwen3-8B", "| Selector top-K / rank | 5 / 6 |",
+                 "| Held-out tau of the unary top-1 walk (DFlash 2 without its selector) | 2.9 |",
+                 "| Held-out recall@K (the target's token among the unary top-K) | 0.93 |"):
+        assert text in card, text
+    assert "| heldout_" not in card   # each under its label, not again under its key
+    table = acceptance_comparison(read_card_info(tmp_path / "out")).splitlines()
+    assert "unary top-1 walk" in table[2] and table[2].rstrip().endswith("2.900")
+    export_drafter(drafter_to_export(), tmp_path / "dflash", card=INFO)   # a DFlash's card has none of them
+    assert "unary top-1" not in (tmp_path / "dflash" / "README.md").read_text()

@@ -162,3 +162,68 @@ def test_evaluate_end_to_end(tmp_path, tiny_target_dir, drafter):
     assert 1 <= summary["tau"] <= BLOCK_SIZE
     assert sum(summary["histogram"].values()) == summary["verify_steps"]
     assert "mean tau" in proc.stdout and "lossless" in proc.stdout
+
+
+# ----------------------------------------------------------------------------- DFlash 2: the walk vLLM drafts
+@pytest.fixture(scope="module")
+def dflash2_drafter(target_drafter_config):
+    """A DFlash 2 on the tiny target whose convolutions and selector are off their identity start, strongly
+    enough that its selector walk drafts otherwise than its unary top-1."""
+    import dataclasses
+
+    from dflash_core.drafter.dflash2 import DFlash2Config, DFlash2Drafter
+    cfg = DFlash2Config(**dataclasses.asdict(target_drafter_config), selector_rank=8, selector_top_k=4)
+    drafter = DFlash2Drafter(cfg, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "conv" in name or "candidate_selector" in name:
+                p.add_(torch.randn(p.shape, generator=gen) * (3.0 if "codebook" in name else 0.05))
+    return drafter.eval()
+
+
+def test_a_dflash2_drafts_the_selectors_greedy_walk_and_stays_lossless(target, dflash2_drafter, prompt):
+    from dflash_core.drafter.selector import greedy_walk
+    from dflash_core.serving.speculative import default_walk
+    head = FrozenTargetHead.random(dflash2_drafter.config.vocab_size, dflash2_drafter.config.hidden_size, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    features = torch.randn(1, 11, 2 * dflash2_drafter.config.hidden_size, generator=gen)
+    block_ids = torch.full((1, BLOCK_SIZE), dflash2_drafter.config.mask_token_id)
+    block_ids[0, 0] = 5
+    committed = torch.cat([torch.zeros(11, dtype=torch.long), block_ids[0, :1]])
+    with torch.no_grad():
+        full = dflash2_drafter(features, head.embed(block_ids), torch.tensor([[11]]), torch.tensor([[True]]),
+                               backend="sdpa")
+        walked = greedy_walk(*dflash2_drafter.candidates(head, full, block_ids[:, 0]))[0]
+        drafts = {}
+        for walk in ("selector", "unary"):
+            cache = DrafterCache(dflash2_drafter, head, walk)
+            cache.extend(features)
+            drafts[walk] = cache.draft(committed)
+    assert torch.equal(drafts["selector"], walked)
+    assert torch.equal(drafts["unary"], head.logits(full[0, 1:]).argmax(-1))
+    assert not torch.equal(drafts["selector"], drafts["unary"])   # the walk is the selector's, not the argmax
+    assert default_walk(dflash2_drafter) == "selector"
+    with pytest.raises(ValueError, match="selector for a DFlash 2 drafter only"):
+        DrafterCache(DFlashDrafter(drafter_config(), seed=0), head, "selector")
+
+    result = speculative_generate(target, dflash2_drafter, prompt, max_new_tokens=24)
+    assert result.tokens == greedy_decode(target, prompt, 24)
+
+
+def test_evaluate_decodes_a_dflash2_export_with_its_selector_walk_beside_its_unary_walk(tmp_path, tiny_target_dir,
+                                                                                       dflash2_drafter):
+    export_drafter(dflash2_drafter, tmp_path / "export", dtype=torch.float32)
+    out = tmp_path / "eval.json"
+    cmd = [sys.executable, "-m", "launcher.evaluate", f"target.path={tiny_target_dir}",
+           f"evaluate.drafter={tmp_path / 'export'}", "evaluate.num_prompts=2", "evaluate.max_new_tokens=16",
+           "evaluate.device=cpu", f"evaluate.output={out}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180, check=False,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["walk"] == "selector" and summary["lossless"] is True
+    unary = summary["unary_walk"]
+    assert 1 <= unary["tau"] <= BLOCK_SIZE and sum(unary["histogram"].values()) == unary["verify_steps"]
+    assert "the selector's greedy walk, as vLLM drafts" in proc.stdout
+    assert f"mean tau, unary top-1 walk  {unary['tau']:.3f}" in proc.stdout

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from dflash_core.serving.speculative import vllm_cpu_context_keys
 from launcher.serving import vllm_server
-from launcher.serving.vllm_server import ServerError, VllmServer, parse_spec_counters
+from launcher.serving.vllm_server import ServerError, ServerExited, VllmServer, parse_spec_counters, refusal_in
 from tests import served
 from tests.launching import REPO
 
@@ -71,6 +71,16 @@ def test_a_server_that_exits_early_reports_its_log_tail(tmp_path):
     fake = _fake_vllm(tmp_path, 'echo "ValueError: DFlash does not support this model"; exit 3')
     with pytest.raises(ServerError, match=r"(?s)before it was ready \(exit code 3;.*DFlash does not support this"):
         VllmServer(tmp_path, python=fake, log_path=tmp_path / "log").start()
+
+
+def test_a_refused_configuration_is_read_in_vllms_own_words(tmp_path):
+    line = ("  Value error, Model Runner V1 does not support: DFlash candidate-head drafts [type=value_error, "
+            "input_value=ArgsKwargs((), {'model_co... 'shutdown_timeout': 0}), input_type=ArgsKwargs]")
+    fake = _fake_vllm(tmp_path, f'echo "Traceback (most recent call last):"; echo "{line}"; exit 1')
+    with pytest.raises(ServerExited) as refused:
+        VllmServer(tmp_path, python=fake, log_path=tmp_path / "log").start()
+    assert refused.value.refusal == "Model Runner V1 does not support: DFlash candidate-head drafts"
+    assert refusal_in("ValueError: no such model\n") == "no such model" and refusal_in("Killed\n") is None
 
 
 _SERVER_PROCESS_PROBE = """

@@ -122,6 +122,71 @@ def test_an_export_in_z_labs_layout_starts_a_run(tiny_target_dir, export_dir, tm
     assert _job(tiny_target_dir, f"drafter.init_from={theirs}").init_from.path == theirs.resolve()
 
 
+def test_a_dflash2_started_from_a_dflash_export_decodes_exactly_as_the_export(tiny_target_dir, world, export_dir,
+                                                                            monkeypatch):
+    """The export's backbone, the convolutions and selector at identity: at step 0 the DFlash 2 (drafting with its
+    selector's walk, as vLLM does) decodes the evaluation prompts with the export's tokens, drafts and
+    acceptance, and scores held-out data with the export's figures. DFLASH_TEST_EXPORT=DIR starts it from that
+    export instead (`make train`'s, whose drafts the target accepts)."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    from dflash_core.drafter.dflash2 import DFlash2Drafter, parameter_names
+    from dflash_core.serving.speculative import DrafterCache, default_walk, speculative_generate
+    from tests.served import evaluation_prompts
+    source = os.environ.get("DFLASH_TEST_EXPORT") or export_dir
+    job = _job(tiny_target_dir, "drafter.kind=dflash2", "drafter.selector_top_k=4", "drafter.selector_rank=8",
+               f"drafter.init_from={source}")
+    trainer = DrafterTrainer(job, world)
+    trainer.start_from(job.init_from)
+    dflash2, dflash = trainer.updated_drafter().eval(), load_exported(source).eval()
+    assert type(dflash2) is DFlash2Drafter and default_walk(dflash2) == "selector"
+    state = dflash2.state_dict()
+    for name, value in dflash.state_dict().items():
+        assert torch.equal(state[name], value), name
+    assert state["candidate_selector.predecessor_codebook"].abs().sum() > 0   # random: only B = 0 keeps the walk
+    assert set(state) - set(dflash.state_dict()) == set(parameter_names(job.drafter))
+
+    held_out = _batch(trainer.dcfg, 100)
+    got = trainer.evaluate([held_out])
+    want = evaluate_tau(dflash, trainer.head, held_out.input_ids, held_out.loss_mask, held_out.hidden, job.step,
+                        position_ids=held_out.position_ids).summary()
+    assert {key: got[key] for key in want} == want
+    assert (got["unary_tau"], got["unary_decode_tau"]) == (want["tau"], want["decode_tau"])
+
+    drafts = []
+    draft = DrafterCache.draft
+    monkeypatch.setattr(DrafterCache, "draft", lambda cache, ids: drafts.append(draft(cache, ids)) or drafts[-1])
+    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+    decoded = {}
+    for drafter in (dflash, dflash2):
+        drafts.clear()
+        results = [speculative_generate(target, drafter, ids, max_new_tokens=32)
+                   for ids in evaluation_prompts(tiny_target_dir, 4)]
+        decoded[type(drafter)] = ([r.tokens for r in results], [r.accepted for r in results],
+                                  [d.tolist() for d in drafts])
+    assert decoded[DFlash2Drafter] == decoded[type(dflash)] and len(drafts) >= 4 * 4
+
+
+def test_a_dflash2_export_starts_only_a_dflash2_of_its_settings(tiny_target_dir, world, export_dir, tmp_path):
+    job = _job(tiny_target_dir, "drafter.kind=dflash2", "drafter.selector_top_k=4", f"drafter.init_from={export_dir}")
+    trainer = DrafterTrainer(job, world)
+    trainer.start_from(job.init_from)
+    exported = export_drafter(trainer.updated_drafter(), tmp_path / "dflash2")
+    with pytest.raises(ConfigError, match=r"differs from the configured one in 1 field: kind: export 'dflash2', "
+                                          r"configured 'dflash' \(drafter.kind\)"):
+        _job(tiny_target_dir, f"drafter.init_from={exported}")
+    with pytest.raises(ConfigError, match=r"selector_top_k: export 4, configured 16 \(drafter.selector_top_k\)"):
+        _job(tiny_target_dir, "drafter.kind=dflash2", f"drafter.init_from={exported}")
+    again = _job(tiny_target_dir, "drafter.kind=dflash2", "drafter.selector_top_k=4", "run.seed=3",
+                 f"drafter.init_from={exported}")
+    resumed = DrafterTrainer(again, world)
+    resumed.start_from(again.init_from)
+    for name, value in load_exported(exported).state_dict().items():
+        assert torch.equal(resumed.drafter.state_dict()[name], value), name
+
+
 @pytest.mark.multiproc
 def test_launched_warm_start_records_its_origin_and_resume_takes_precedence(tiny_target_dir, export_dir, tmp_path):
     run_dir = tmp_path / "run"

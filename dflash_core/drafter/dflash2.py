@@ -27,7 +27,6 @@ from torch import nn
 from .model import DFlashDrafter, DrafterConfig, DrafterLayer
 from .selector import CandidateSelector, unary_candidates
 
-
 ARCHITECTURE = "DFlash2DraftModel"  # config.json's architectures entry vLLM and SGLang dispatch on
 # The DFlash2Config fields an export's dflash_config carries, under these names.
 DFLASH_CONFIG_KEYS = ("conv_group_size", "conv_kernel_size", "selector_rank", "selector_top_k", "output_multiplier",
@@ -146,7 +145,18 @@ class DFlash2Drafter(DFlashDrafter):
         drafted = hidden[:, 1:]
         ids, unary = unary_candidates(head.logits(drafted.to(head.lm_head_weight.dtype)), cfg.selector_top_k,
                                       cfg.output_multiplier, cfg.final_logit_softcapping)
-        return ids, self.candidate_selector.pair_scores(ids, unary, drafted, anchor_ids)
+        return ids, self.lattice(ids, unary, drafted, anchor_ids)
+
+    def lattice(self, candidate_ids, unary, hidden, anchor_ids):
+        """The pair-score lattice [R, S, K, K] of candidates [R, S, K] (CandidateSelector.pair_scores)."""
+        self.weights_ready(self.candidate_selector)
+        return self.candidate_selector.pair_scores(candidate_ids, unary, hidden, anchor_ids)
+
+    def teacher_forced_scores(self, predecessor_ids, candidate_ids, unary, hidden):
+        """predecessor_ids [...] (one per slot), candidate_ids and unary [..., C], hidden [..., H] -> the
+        scores [..., C] of the candidates after that predecessor (what the selector's loss reads)."""
+        self.weights_ready(self.candidate_selector)
+        return self.candidate_selector.scores(predecessor_ids.unsqueeze(-1), candidate_ids, unary, hidden).squeeze(-2)
 
 
 def parameter_names(cfg):
@@ -156,6 +166,12 @@ def parameter_names(cfg):
     selector = [f"candidate_selector.{name}"
                 for name in ("predecessor_codebook", "successor_codebook", "hidden_projection.weight")]
     return [f"layers.{i}.{name}" for i in range(cfg.num_hidden_layers) for name in per_layer] + selector
+
+
+def config_from_fields(values):
+    """The config whose dataclasses.asdict() `values` are (what a checkpoint records): a DFlash2Config when
+    they hold DFlash 2's fields, else a DrafterConfig."""
+    return (DFlash2Config if "selector_top_k" in values else DrafterConfig)(**values)
 
 
 def build_drafter(cfg, *, seed=None):

@@ -52,15 +52,21 @@ class CandidateSelector(nn.Module):
         self.predecessor_codebook.normal_(0.0, std, generator=generator)
         self.successor_codebook.zero_()
 
+    def scores(self, predecessor_ids, candidate_ids, unary, hidden):
+        """predecessor_ids [..., P], candidate_ids and their unary logits [..., C], hidden [..., H]
+        (the slots' final-normed states) -> [..., P, C] fp32, [..., p, c] = S(predecessor p, candidate c).
+        The codebooks' gradients are dense [vocab, rank] tensors of which only the rows read here are
+        nonzero (what indexing's backward gives)."""
+        query = self.predecessor_codebook[predecessor_ids] * self.hidden_projection(hidden).unsqueeze(-2)
+        pair = query @ self.successor_codebook[candidate_ids].transpose(-1, -2)
+        return unary.unsqueeze(-2).float() + pair.float()
+
     def pair_scores(self, candidate_ids, unary, hidden, anchor_ids):
         """candidate_ids, unary [R, S, K]: the candidates of the S drafted slots of R blocks and
         their unary logits; hidden [R, S, H]: those slots' final-normed states; anchor_ids [R]
         -> the lattice [R, S, K, K], [r, s, p, c] = S_s(predecessor p, candidate c)."""
         first = anchor_ids.view(-1, 1, 1).expand(-1, 1, candidate_ids.shape[-1])
-        predecessor_ids = torch.cat([first, candidate_ids[:, :-1]], dim=1)
-        query = self.predecessor_codebook[predecessor_ids] * self.hidden_projection(hidden).unsqueeze(2)
-        pair = query @ self.successor_codebook[candidate_ids].transpose(-1, -2)
-        return unary.unsqueeze(-2).float() + pair.float()
+        return self.scores(torch.cat([first, candidate_ids[:, :-1]], dim=1), candidate_ids, unary, hidden)
 
 
 def greedy_walk(candidate_ids, scores):

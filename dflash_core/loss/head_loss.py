@@ -89,6 +89,24 @@ compiled_head_loss_terms = compiled_function("head_loss", head_loss_terms)
 compiled_quantise_rows = compiled_function("fp8_quantise_rows", quantise_rows)
 
 
+class HeadLoss(NamedTuple):
+    """What `head_loss` gives for h [B, N, S, H] of the drafted slots."""
+    loss_sum: torch.Tensor           # the weighted CE sum (with its graph when training)
+    weight_sum: torch.Tensor         # the sum of the final loss weights
+    correct: torch.Tensor            # argmax == label [B, N, S]
+    final: torch.Tensor              # the final loss weights [B, N, S] (no graph)
+    candidate_logits: torch.Tensor | None   # top_k: [B, N, S, K + 1] the head's logits of the top-K (best
+    #                                         first), then of the label (with its graph when training)
+    candidate_ids: torch.Tensor | None      # top_k: [B, N, S, K + 1] their token ids
+
+
+def _candidates(logits, flat_labels, top_k):
+    """A chunk's logits [rows, V] -> (logits [rows, K + 1] of its top-K then of the label, their ids)."""
+    values, ids = logits.topk(top_k, dim=-1)
+    label = flat_labels.unsqueeze(1)
+    return torch.cat([values, logits.gather(1, label)], dim=1), torch.cat([ids, label], dim=1)
+
+
 class FusedHeadLoss(torch.autograd.Function):
     """Weighted CE of lm_head(h) over all blocks, `chunk_blocks` blocks at a time, with d(loss)/dh
     computed in the forward pass.
@@ -100,10 +118,16 @@ class FusedHeadLoss(torch.autograd.Function):
     One Function for all chunks rather than one per chunk slice: per-chunk slices cost autograd a
     zero-filled full-size gradient and an accumulation each. `fp8`: the head's Fp8HeadWeight, whose
     FP8 products replace the two bf16 ones (None: bf16); compiled on CUDA, the gradient kernel
-    writes the logit gradient straight in e4m3 for the second."""
+    writes the logit gradient straight in e4m3 for the second.
+
+    `top_k` > 0 (DFlash 2's selector): each row's top-K logits and its label's leave as a
+    differentiable output, taken before the gradient pass (on CUDA it overwrites the logits). Their
+    gradient reaches h in backward through the K + 1 head rows alone: a gathered [rows, K + 1, H]
+    product per chunk, not another [rows, V] GEMM."""
 
     @staticmethod
-    def forward(ctx, h, head_weight, labels, weights, chunk_blocks, loss, gamma, dpace_alpha, compiled, fp8=None):
+    def forward(ctx, h, head_weight, labels, weights, chunk_blocks, loss, gamma, dpace_alpha, compiled, fp8=None,
+                top_k=0):
         if not compiled:
             terms = head_loss_terms
         elif h.is_cuda:
@@ -113,44 +137,71 @@ class FusedHeadLoss(torch.autograd.Function):
         quantise = compiled_quantise_rows if compiled else quantise_rows
         grad_h = torch.empty_like(h)
         loss_sum = weight_sum = 0.0
-        correct = []
+        correct, finals, candidates = [], [], []
         for start in range(0, h.shape[1], chunk_blocks):
             part = slice(start, start + chunk_blocks)
             rows = h[:, part].reshape(-1, h.shape[-1]).to(head_weight.dtype)
             logits = rows @ head_weight.T if fp8 is None else fp8.logits(rows, quantise)
+            if top_k:
+                candidates.append(_candidates(logits, labels[:, part].reshape(-1), top_k))
             ce, final, hit, grad_logits = terms(logits, labels[:, part], weights[:, part], loss, gamma, dpace_alpha)
             grad_rows = grad_logits @ head_weight if fp8 is None else fp8.input_gradient(grad_logits, quantise)
             grad_h[:, part] = grad_rows[:rows.shape[0]].view_as(grad_h[:, part])   # e4m3 rows come padded
             loss_sum = loss_sum + (final * ce).sum()
             weight_sum = weight_sum + final.sum()
             correct.append(hit)
-        ctx.save_for_backward(grad_h)
-        correct = torch.cat(correct, dim=1)
-        ctx.mark_non_differentiable(weight_sum, correct)
-        return loss_sum, weight_sum, correct
+            finals.append(final)
+        correct, final = torch.cat(correct, dim=1), torch.cat(finals, dim=1)
+        candidate_logits, candidate_ids = _joined(candidates, labels.shape)
+        ctx.chunk_blocks = chunk_blocks
+        ctx.save_for_backward(grad_h, *((head_weight, candidate_ids) if top_k else ()))
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(weight_sum, correct, final, *(() if candidate_ids is None else (candidate_ids,)))
+        return loss_sum, weight_sum, correct, final, candidate_logits, candidate_ids
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_weight_sum, _grad_correct):
-        grad_h, = ctx.saved_tensors
-        return grad_h * grad_loss.to(grad_h.dtype), None, None, None, None, None, None, None, None, None
+    def backward(ctx, grad_loss, _grad_weight_sum, _grad_correct, _grad_final, grad_candidates, _grad_ids):
+        grad_h, *candidates = ctx.saved_tensors
+        grad = grad_h * grad_loss.to(grad_h.dtype) if grad_loss is not None else torch.zeros_like(grad_h)
+        if grad_candidates is not None:
+            head_weight, candidate_ids = candidates
+            for start in range(0, grad.shape[1], ctx.chunk_blocks):
+                part = slice(start, start + ctx.chunk_blocks)
+                rows = head_weight[candidate_ids[:, part]]   # [B, c, S, K + 1, H]
+                grad[:, part] += (grad_candidates[:, part].to(rows.dtype).unsqueeze(-2) @ rows).squeeze(-2).to(
+                    grad.dtype)
+        return grad, None, None, None, None, None, None, None, None, None, None
 
 
-def head_loss(h, head, labels, weights, *, loss, gamma, dpace_alpha, chunk_blocks, compiled):
-    """h [B, N, Bs - 1, H] of the drafted slots -> (weighted CE sum, weight sum, argmax == label
-    [B, N, Bs - 1]); with grad enabled through `FusedHeadLoss`, without it (evaluation) by the same
-    terms, chunk by chunk."""
+def _joined(candidates, shape):
+    """The chunks' (logits, ids) [rows, K + 1] -> [B, N, S, K + 1] each; (None, None) without any."""
+    if not candidates:
+        return None, None
+    batch, blocks, slots = shape
+    logits, ids = zip(*candidates)
+    return tuple(torch.cat([t.view(batch, -1, slots, t.shape[-1]) for t in parts], dim=1) for parts in (logits, ids))
+
+
+def head_loss(h, head, labels, weights, *, loss, gamma, dpace_alpha, chunk_blocks, compiled, top_k=0) -> HeadLoss:
+    """h [B, N, Bs - 1, H] of the drafted slots -> HeadLoss; with grad enabled through `FusedHeadLoss`,
+    without it (evaluation) by the same terms, chunk by chunk. top_k > 0: also each slot's top-K
+    candidates and its label's logit (HeadLoss.candidate_*)."""
     if torch.is_grad_enabled():
-        return FusedHeadLoss.apply(h, head.lm_head_weight, labels, weights, chunk_blocks, loss, gamma, dpace_alpha,
-                                   compiled, head.fp8)
-    loss_sum, weight_sum, correct = 0.0, 0.0, []
+        return HeadLoss(*FusedHeadLoss.apply(h, head.lm_head_weight, labels, weights, chunk_blocks, loss, gamma,
+                                             dpace_alpha, compiled, head.fp8, top_k))
+    loss_sum, weight_sum, correct, finals, candidates = 0.0, 0.0, [], [], []
     for start in range(0, h.shape[1], chunk_blocks):
         part = slice(start, start + chunk_blocks)
         # One [rows, H] x [H, V] GEMM: a 4-D slice can make matmul fall back to a batched GEMM of
         # Bs-row blocks that re-reads the whole LM head per block.
         logits = head.logits(h[:, part].reshape(-1, h.shape[-1]))
+        if top_k:
+            candidates.append(_candidates(logits, labels[:, part].reshape(-1), top_k))
         ce, final, hit, _ = head_loss_terms(logits, labels[:, part], weights[:, part], loss, gamma, dpace_alpha,
                                             with_gradient=False)
         loss_sum = loss_sum + (final * ce).sum()
         weight_sum = weight_sum + final.sum()
         correct.append(hit)
-    return loss_sum, weight_sum, torch.cat(correct, dim=1)
+        finals.append(final)
+    return HeadLoss(loss_sum, weight_sum, torch.cat(correct, dim=1), torch.cat(finals, dim=1),
+                    *_joined(candidates, labels.shape))

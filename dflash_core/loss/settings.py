@@ -25,6 +25,8 @@ class StepSettings:
     compiled: bool             # drafter.compile resolved: the layers and the head loss through torch.compile
     matmul_precision: str = "bf16"   # bf16 | fp8: the drafter's linear layers and the LM head's products
     fp8_recipe: str = FP8_RECIPES[0]  # with fp8: torchao's recipe for the linear layers
+    selector_weight: float = 1.0     # DFlash 2: the selector's K-way CE in the loss, relative to the unary CE
+    selector_detach: bool = False    # DFlash 2: the selector term's gradient stops at the backbone
 
     def __post_init__(self):
         if self.loss not in LOSS_TYPES:
@@ -35,5 +37,7 @@ class StepSettings:
         if self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(f"StepSettings.matmul_precision={self.matmul_precision!r}: expected one of "
                              f"{MATMUL_PRECISIONS}")
+        if not self.selector_weight >= 0:
+            raise ValueError(f"StepSettings.selector_weight={self.selector_weight!r}: expected a number >= 0")
         if self.fp8_recipe not in FP8_RECIPES:
             raise ValueError(f"StepSettings.fp8_recipe={self.fp8_recipe!r}: expected one of {FP8_RECIPES}")

@@ -261,11 +261,17 @@ def read_exported_config(path):
 
 
 def config_differences(path, cfg):
-    """(field, the export's value, cfg's value) for every DrafterConfig field in which the export in
-    directory `path` differs from `cfg`: a warm start needs none (its weights would not fit, or would
-    read other target layers, mask token or block size)."""
+    """(field, the export's value, cfg's value) for every config field in which the export in directory
+    `path` differs from `cfg`: a warm start needs none (its weights would not fit, or would read other
+    target layers, mask token or block size). A DFlash export starts a DFlash 2 (`cfg` a DFlash2Config):
+    its backbone is compared, the new parts start at identity; a DFlash 2 export starts only a DFlash 2
+    of its settings (the field `kind` differs otherwise)."""
     exported = read_exported_config(path)
-    return [(f.name, getattr(exported, f.name), getattr(cfg, f.name)) for f in fields(DrafterConfig)
+    kinds = [("dflash2" if isinstance(c, DFlash2Config) else "dflash") for c in (exported, cfg)]
+    if kinds == ["dflash2", "dflash"]:
+        return [("kind", *kinds)]
+    compared = fields(DFlash2Config) if kinds == ["dflash2", "dflash2"] else fields(DrafterConfig)
+    return [(f.name, getattr(exported, f.name), getattr(cfg, f.name)) for f in compared
             if getattr(exported, f.name) != getattr(cfg, f.name)]
 
 

@@ -31,6 +31,16 @@ FIELDS = {
     "served_acceptance_length": "Served acceptance length (vLLM's counters, launcher.evaluate evaluate.engine=vllm)",
     "command": "Command",
 }
+# A DFlash 2's held-out figures beside heldout_tau (its selector walk, what serving drafts): the card key of each
+# StepCounts.summary() key, and its label; shown only on the cards that have them.
+SELECTOR_FIGURES = {"unary_decode_tau": "heldout_unary_tau", "oracle_decode_tau": "heldout_oracle_tau",
+                    "recall_at_k": "heldout_recall_at_k", "selector_acc": "heldout_selector_acc"}
+SELECTOR_FIELDS = {
+    "heldout_unary_tau": "Held-out tau of the unary top-1 walk (DFlash 2 without its selector)",
+    "heldout_oracle_tau": "Held-out tau of the oracle walk (the target's token anywhere in the top-K counts)",
+    "heldout_recall_at_k": "Held-out recall@K (the target's token among the unary top-K)",
+    "heldout_selector_acc": "Held-out selector accuracy (its pick after the true previous token is the target's)",
+}
 # The card key of each evaluation engine's acceptance length; how it was measured is under _eval_key(key).
 ACCEPTANCE_KEYS = {"hf": "acceptance_length", "vllm": "served_acceptance_length"}
 
@@ -91,6 +101,8 @@ def acceptance_comparison(info) -> str:
     real decoding gave (HF) and what vLLM served, each against real decoding's."""
     real = info.get(ACCEPTANCE_KEYS["hf"])
     rows = [(FIELDS[key], info.get(key)) for key in ("heldout_tau", ACCEPTANCE_KEYS["hf"], ACCEPTANCE_KEYS["vllm"])]
+    if "heldout_unary_tau" in info:   # a DFlash 2: what its selector adds over its own unary top-1
+        rows.insert(1, (SELECTOR_FIELDS["heldout_unary_tau"], info["heldout_unary_tau"]))
     width = max(len(label) for label, _ in rows)
     lines = ["acceptance length (tau), side by side:"]
     for label, value in rows:
@@ -136,12 +148,17 @@ def render_model_card(info, config):
     # One line of JSON is also valid YAML: the Hub's card parser and read_card_info both read it.
     front_matter = ["---", "library_name: transformers", "tags:", "- dflash", "- speculative-decoding",
                     f"{_INFO_KEY}: {json.dumps(info, sort_keys=True, default=str)}", "---", ""]
-    title = f"# DFlash drafter for {target}" if target else "# DFlash drafter"
-    intro = ("A DFlash block-diffusion draft model for speculative decoding, trained with dflash-launcher. "
+    kind = "DFlash 2" if "selector_top_k" in config.get("dflash_config", {}) else "DFlash"
+    title = f"# {kind} drafter for {target}" if target else f"# {kind} drafter"
+    intro = (f"A {kind} block-diffusion draft model for speculative decoding, trained with dflash-launcher. "
              "It drafts a block of tokens in one forward pass from the target's hidden states; it has no "
              "embedding and no LM head of its own (it uses the target's).")
-    extra = {k: v for k, v in info.items() if k not in FIELDS and k not in _SHOWN_ELSEWHERE}
+    if kind == "DFlash 2":
+        intro += (" Its candidate selector rescores each slot's top-K tokens by the token before it; serving "
+                  "drafts its greedy walk through them.")
+    extra = {k: v for k, v in info.items() if k not in {**FIELDS, **SELECTOR_FIELDS} and k not in _SHOWN_ELSEWHERE}
     training = [(label, _training_value(key, info)) for key, label in FIELDS.items()]
+    training += [(label, _format(info[key])) for key, label in SELECTOR_FIELDS.items() if key in info]
     training += [(key, _format(value)) for key, value in sorted(extra.items())]
     provenance = [(key, _format(value)) for key, value in sorted((info.get(PROVENANCE) or {}).items())]
     lines = [*front_matter, title, "", intro, "", "## Training", "", *_table(training), ""]
@@ -183,6 +200,10 @@ def _architecture(config):
             "hidden_size", "num_attention_heads", "num_key_value_heads"))),
         ("Layer types", _format(config.get("layer_types"))),
         ("Weights dtype", _format(config.get("torch_dtype"))),
+        *([("Selector top-K / rank", f"{_format(dflash['selector_top_k'])} / {_format(dflash.get('selector_rank'))}"),
+           ("Convolution taps / channels per coefficient",
+            f"{_format(dflash.get('conv_kernel_size'))} / {_format(dflash.get('conv_group_size'))}")]
+          if "selector_top_k" in dflash else []),
     ]
 
 

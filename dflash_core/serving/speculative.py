@@ -1,9 +1,10 @@
-"""Greedy speculative decoding with a Hugging Face target and a DFlash drafter (batch size 1).
+"""Greedy speculative decoding with a Hugging Face target and a DFlash or DFlash 2 drafter (batch size 1).
 
 One step, with P the position of the last committed token (the anchor):
   1. the drafter sees the target features of positions 0..P-1 (strictly before the anchor,
      exactly as in training) and the block [last token, MASK x (Bs-1)] at positions P..P+Bs-1;
-     its argmax over slots 1..Bs-1 is the draft;
+     its argmax over slots 1..Bs-1 is the draft (the unary walk); a DFlash 2 drafts by default as
+     vLLM 0.32 does, with the selector's greedy walk through each slot's unary top-K (selector.py);
   2. the target runs the whole block in one forward on top of its KV cache;
   3. accepted = leading drafts equal to the target's greedy choice; the target's greedy tokens
      for those slots plus one more (the bonus) are committed, so the output is exactly the
@@ -26,8 +27,17 @@ from dataclasses import dataclass
 import torch
 
 from ..drafter.attention import dense_mask, make_mask_mod
+from ..drafter.dflash2 import DFlash2Drafter
 from ..drafter.model import rope_cos_sin
+from ..drafter.selector import greedy_walk
 from ..loss.frozen_head import FrozenTargetHead
+
+WALKS = ("selector", "unary")   # how a block's draft is read from its states (DrafterCache.draft)
+
+
+def default_walk(drafter) -> str:
+    """The walk serving drafts with: a DFlash 2's selector walk (vLLM 0.32), a DFlash's argmax."""
+    return "selector" if isinstance(drafter, DFlash2Drafter) else "unary"
 
 
 @dataclass
@@ -69,8 +79,10 @@ class DrafterCache:
     draft tokens.
     """
 
-    def __init__(self, drafter, head: FrozenTargetHead):
-        self.drafter, self.head, self.config = drafter, head, drafter.config
+    def __init__(self, drafter, head: FrozenTargetHead, walk: str = "unary"):
+        if walk not in WALKS or (walk == "selector" and not isinstance(drafter, DFlash2Drafter)):
+            raise ValueError(f"walk={walk!r}: expected one of {WALKS}, selector for a DFlash 2 drafter only")
+        self.drafter, self.head, self.config, self.walk = drafter, head, drafter.config, walk
         self.length = 0  # context positions held
         self.keys: list[torch.Tensor | None] = [None] * self.config.num_hidden_layers
         self.values: list[torch.Tensor | None] = [None] * self.config.num_hidden_layers
@@ -130,6 +142,9 @@ class DrafterCache:
         block = torch.full((1, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=ids.device)
         block[0, 0] = ids[-1]
         h = self.hidden(self.head.embed(block))
+        if self.walk == "selector":
+            candidate_ids, scores = self.drafter.candidates(self.head, h, block[:, 0])
+            return greedy_walk(candidate_ids, scores)[0]
         logits = self.head.logits(h[0, 1:].to(self.head.lm_head_weight.dtype))
         return logits.argmax(-1)
 
@@ -250,19 +265,21 @@ def _target_step(target, ids, cache, layer_ids, **kwargs):
 
 @torch.inference_mode()
 def speculative_generate(target, drafter, input_ids, *, max_new_tokens: int, eos_token_id=None,
-                         head: FrozenTargetHead | None = None) -> SpecResult:
+                         head: FrozenTargetHead | None = None, walk: str | None = None) -> SpecResult:
     """Greedy speculative decoding of one prompt (batch size 1).
 
     target: a Hugging Face causal LM (full model with its LM head; its KV cache must support
     `crop`, as DynamicCache does); drafter: a DFlashDrafter on the same device; input_ids:
     [S] or [1, S] prompt ids; head: the frozen target head (default: the target's own
-    embedding and LM head). Stops after max_new_tokens or just after an eos token.
+    embedding and LM head); walk: how drafts are read (WALKS; None: default_walk, what serving drafts).
+    Stops after max_new_tokens or just after an eos token.
     """
     _check_new_tokens(max_new_tokens)
     _check_pair(target, drafter)
     cfg = drafter.config
     eos = _eos_set(eos_token_id)
-    context = DrafterCache(drafter, head if head is not None else head_from_target(target))
+    context = DrafterCache(drafter, head if head is not None else head_from_target(target),
+                           default_walk(drafter) if walk is None else walk)
 
     # Prefill: the target's next token is committed at once; the prompt's features are the
     # first context, and the cache holds exactly positions 0..P-1 with P the anchor.

@@ -11,7 +11,7 @@ are using FX to symbolically trace a dynamo-optimized function").
 
     python -m launcher.bench.thread_baseline --spec spec.json --out result.json
 
-spec.json: {"target_dir", "drafter_config" (DrafterConfig fields), "seq_len", "num_anchors",
+spec.json: {"target_dir", "drafter_config" (DrafterConfig or DFlash2Config fields), "seq_len", "num_anchors",
 "chunk_blocks", "items_per_thread", "target_device", "drafter_devices" (one per thread),
 "backend", "fx_noise", "timeout_s", "seed", "lr"}. launcher/bench/__main__.py writes it.
 """
@@ -129,12 +129,12 @@ def _steady_rate(events: list[tuple[float, int]]) -> float:
 def run_baseline(spec: dict) -> dict:
     from transformers import AutoConfig
 
-    from dflash_core.drafter.model import DFlashDrafter, DrafterConfig
+    from dflash_core.drafter.dflash2 import build_drafter, config_from_fields
     from dflash_core.loss.frozen_head import FrozenTargetHead
     from dflash_core.target.capture import random_target
 
     t_start = time.perf_counter()
-    dcfg = DrafterConfig(**spec["drafter_config"])
+    dcfg = config_from_fields(spec["drafter_config"])
     target_device = torch.device(spec["target_device"])
     devices = [torch.device(d) for d in spec["drafter_devices"]]
     dtype = torch.bfloat16 if target_device.type == "cuda" else torch.float32
@@ -150,7 +150,7 @@ def run_baseline(spec: dict) -> dict:
                                                     else torch.float32)
         torch.manual_seed(spec["seed"] + i)
         with torch.device(device):
-            drafter = DFlashDrafter(dcfg)
+            drafter = build_drafter(dcfg)
         threads.append(_DrafterThread(i, device, drafter, heads[device], spec, barrier))
     print(f"thread baseline: target on {target_device}, {len(devices)} drafter threads on "
           f"{[str(d) for d in devices]}, backend {spec['backend']}, fx_noise {spec['fx_noise']}, "

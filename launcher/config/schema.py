@@ -59,7 +59,7 @@ class TargetSettings:
 @dataclass
 class DrafterSettings:
     kind: str = knob("dflash", "dflash | dflash2 (DFlash 2: dynamic convolutions within each block and a candidate "
-                               "selector over the unary top-K; exported for vLLM 0.32, not trainable yet)",
+                               "selector over the unary top-K, exported as vLLM 0.32 reads it)",
                      choices=("dflash", "dflash2"))
     num_layers: int = knob(5, "drafter decoder layers", ge=1)
     block_size: int = knob(16, "tokens drafted per block (slot 0 holds the anchor token)", ge=2)
@@ -110,6 +110,11 @@ class DrafterSettings:
     final_logit_softcapping: Optional[float] = knob(None, "dflash2: cap * tanh(logit / cap) on the unary logits; "
                                                           "null: none, so a DFlash 2 on a DFlash drafter keeps its "
                                                           "logits (the published checkpoints use 20.0)", gt=0)
+    selector_weight: float = knob(1.0, "dflash2: weight of the selector's K-way cross-entropy (teacher-forced "
+                                       "predecessor, over the unary top-K) beside the unary cross-entropy; both carry "
+                                       "the slots' loss weights", ge=0)
+    selector_detach: bool = knob(False, "dflash2: the selector term's gradient stops at the backbone (it trains the "
+                                        "codebooks and hidden projection only)")
     init_from: Optional[str] = knob(None, "warm start: a DFlash export directory (launcher.export's, or z-lab's: "
                                           "config.json + model.safetensors) whose weights the drafter starts from; "
                                           "its shape must equal this drafter's; the optimiser starts fresh. A "

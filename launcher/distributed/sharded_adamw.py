@@ -356,16 +356,19 @@ class ShardedAdamW(torch.optim.Optimizer):
         group = {key: value for key, value in self.param_groups[0].items() if key != "params"}
         return {"step": float(self._step), "param_groups": [group]}
 
-    def load_model_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
-        """Set masters and compute copies from whole fp32 weights by name (every rank reads all of them)."""
+    def load_model_state_dict(self, weights: dict[str, torch.Tensor], keep=()) -> None:
+        """Set masters and compute copies from whole fp32 weights by name (every rank reads all of them);
+        the weights named in `keep` may be absent, and then stay as they are."""
         self.wait_for_weights()
         names = [name for name, _ in self.named]
-        if set(weights) != set(names):
+        if set(weights) - set(names) or set(names) - set(weights) - set(keep):
             raise KeyError(f"the weights do not match the drafter: missing {sorted(set(names) - set(weights))}, "
                            f"unexpected {sorted(set(weights) - set(names))}")
         with torch.no_grad():
             for bucket in self.buckets:
                 for param, _, where in bucket.weights():
+                    if self._name[id(param)] not in weights:
+                        continue
                     value = weights[self._name[id(param)]].to(device=param.device, dtype=torch.float32).reshape(-1)
                     param.copy_(value.view(param.shape))
                     if bucket.separate_master and where is not None:

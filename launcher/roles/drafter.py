@@ -12,7 +12,7 @@ import torch
 import dflash_core
 from dflash_core.drafter.compile import compile_count, report
 from dflash_core.serving.export import export_drafter
-from dflash_core.serving.model_card import INIT_FROM, TARGET_IDENTITY, target_identity
+from dflash_core.serving.model_card import INIT_FROM, SELECTOR_FIGURES, TARGET_IDENTITY, target_identity
 from launcher.context import Context
 from launcher.distributed.channel import Receiver
 from launcher.distributed.isolation import CompileShare, source_digest
@@ -80,6 +80,7 @@ def _card(ctx: Context, trainer: DrafterTrainer, last_eval: dict | None) -> dict
             "steps": ctx.job.train.steps, "tokens_seen": trainer.tokens_seen,
             "heldout_tau": last_eval["decode_tau"] if last_eval else None,
             "heldout_anchor_tau": last_eval["tau"] if last_eval else None,
+            **{card: last_eval[key] for key, card in SELECTOR_FIGURES.items() if last_eval and key in last_eval},
             INIT_FROM: ctx.job.init_from.record() if ctx.job.init_from else None,
             "command": ctx.provenance["launcher_command"] or ctx.provenance["command"],
             "provenance": card_provenance(ctx.provenance)}
@@ -220,4 +221,4 @@ def run_drafter(ctx: Context, sink: MetricsSink | None) -> DrafterStats:
             log.info("exported the drafter to %s", ctx.run_dir / "export")
     recompiles = compile_count() - graphs_before_stream if ctx.job.compile.warm_up_shape else None
     return books.stats.result(items=len(receiver.received), compiles=compile_count(), compile_s=compile_s,
-                              recompiles=recompiles, compile_report=report())
+                              recompiles=recompiles, compile_report=report(), held_out=books.last_eval)

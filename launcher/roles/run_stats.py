@@ -54,7 +54,7 @@ class RunStats:
         return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
 
     def result(self, *, items: int, compiles: int, compile_s: float | None, recompiles: int | None,
-               compile_report: dict) -> DrafterStats:
+               compile_report: dict, held_out: dict | None) -> DrafterStats:
         """The loop's totals, with what the loop knows of its stream and its compilation."""
         wall = time.perf_counter() - self.started
         head, tail = self.losses[:self.LOSS_WINDOW], self.losses[-self.LOSS_WINDOW:]
@@ -64,4 +64,5 @@ class RunStats:
                             valid_anchors=self.valid_anchors, skipped_steps=self.skipped,
                             first_loss=sum(head) / len(head) if head else None,
                             last_loss=sum(tail) / len(tail) if tail else None, items=items, compiles=compiles,
-                            compile_s=compile_s, recompiles=recompiles, compile_report=compile_report)
+                            compile_s=compile_s, recompiles=recompiles, compile_report=compile_report,
+                            held_out=held_out)

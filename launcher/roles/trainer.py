@@ -19,6 +19,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from dflash_core.drafter import dflash2
+from dflash_core.drafter.dflash2 import DFlash2Config, build_drafter
 from dflash_core.drafter.model import DFlashDrafter
 from dflash_core.kernels import fp8
 from dflash_core.loss.frozen_head import FrozenTargetHead
@@ -59,6 +61,7 @@ class LaunchedStep:
     kernels (no wait); `result()` waits for them alone, not for work queued after them."""
 
     def __init__(self, counts: StepCounts, grad_norm: torch.Tensor, skipped: torch.Tensor, started):
+        self._selector = counts.selector
         values = torch.cat([counts.pack(), grad_norm.double().reshape(1), skipped.double().reshape(1)])
         if values.device.type == "cuda":
             self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
@@ -76,7 +79,7 @@ class LaunchedStep:
         else:
             busy_s = self._done - self._started
         values = self._host
-        return StepResult(StepCounts.unpack(values[:-2]), float(values[-2]), bool(values[-1]), busy_s)
+        return StepResult(StepCounts.unpack(values[:-2], self._selector), float(values[-2]), bool(values[-1]), busy_s)
 
 
 class DrafterTrainer:
@@ -85,7 +88,7 @@ class DrafterTrainer:
         self.device, self.dcfg, seed = job.device, job.drafter, job.run.seed
         self.amp_dtype = compute_dtype("auto", self.device)
         torch.manual_seed(seed)
-        self.drafter = DFlashDrafter(self.dcfg).to(self.device)
+        self.drafter = build_drafter(self.dcfg).to(self.device)
         if job.target.random_weights:
             self.head = FrozenTargetHead.random(self.dcfg.vocab_size, self.dcfg.hidden_size, seed=seed,
                                                 device=self.device, dtype=self.amp_dtype)
@@ -104,6 +107,9 @@ class DrafterTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_multiplier(o, job.train.steps))
         # Context tokens trained on by every drafter rank, over the whole lineage (on the device: no step reads it).
         self._tokens_seen = torch.zeros((), dtype=torch.float64, device=self.device)
+
+    def _zero_counts(self) -> StepCounts:
+        return StepCounts.zeros(self.dcfg.block_size, self.device, selector=isinstance(self.dcfg, DFlash2Config))
 
     def autocast(self):
         if self.device.type == "cuda":
@@ -142,8 +148,12 @@ class DrafterTrainer:
 
     def start_from(self, source: WarmStart) -> None:
         """The drafter's weights from an export (drafter.init_from); the optimiser's moments, its step count
-        and the schedule stay those of a fresh run."""
-        self.optimizer.load_model_state_dict(load_exported(source.path).state_dict())
+        and the schedule stay those of a fresh run. A DFlash export starting a DFlash 2 gives its backbone;
+        the convolutions and the selector keep their identity start, so step 0 drafts what the export does."""
+        exported = load_exported(source.path)
+        new_parts = dflash2.parameter_names(self.dcfg) if isinstance(self.dcfg, DFlash2Config) and not isinstance(
+            exported.config, DFlash2Config) else ()
+        self.optimizer.load_model_state_dict(exported.state_dict(), keep=new_parts)
 
     def restore(self, path, group: dist.ProcessGroup | None) -> None:
         """Continue the checkpoint at `path`, whatever drafter count wrote it: this rank's shard is read
@@ -162,7 +172,7 @@ class DrafterTrainer:
         the update on every rank alike: the AdamW step leaves weights, moments and step count as
         they were where `skipped` is set, so the decision needs no host read either."""
         started = self._step_start()
-        counts = StepCounts.zeros(self.dcfg.block_size, self.device)
+        counts = self._zero_counts()
         for a, batch in enumerate(batches):
             self.optimizer.begin_backward(first=a == 0, last=a == len(batches) - 1)
             with self.autocast():
@@ -226,7 +236,7 @@ class DrafterTrainer:
     @torch.no_grad()
     def evaluate(self, batches: list[FeatureBatch]) -> dict:
         """Held-out simulated acceptance over every drafter rank's batches: StepCounts.summary()."""
-        counts = StepCounts.zeros(self.dcfg.block_size, self.device)
+        counts = self._zero_counts()
         for batch in batches:
             counts = counts + self._evaluate_local(batch)
         return counts.all_reduce(self.group).summary()

@@ -79,6 +79,17 @@ class WandbTracker:
         self.run.finish()
 
 
+def held_out_line(record: dict) -> str:
+    """A held-out evaluation in one line (the progress bar's and the end summary's); a DFlash 2's with its
+    selector walk's lift over its own unary-only walk, the oracle walk, recall@K and the selector's accuracy."""
+    line = f"decoding tau {record['decode_tau']:.3f} (per anchor {record['tau']:.3f})  acc {record['acc']:.3f}"
+    if "unary_decode_tau" not in record:
+        return line
+    return (f"{line}  [selector walk; unary-only walk {record['unary_decode_tau']:.3f}, oracle walk "
+            f"{record['oracle_decode_tau']:.3f}, recall@K {record['recall_at_k']:.3f}, selector acc "
+            f"{record['selector_acc']:.3f}]")
+
+
 TRACKERS = {"tensorboard": TensorBoardTracker, "mlflow": MlflowTracker, "wandb": WandbTracker}
 
 
@@ -95,15 +106,15 @@ class MetricsSink:
     def step(self, step: int, record: dict, window_rates: Callable[[], dict]) -> None:
         """One step's record; on a logged step with `window_rates()` (the rates since the last logged step)."""
         self.bar.update(1)
+        selector = {"sel_acc": f"{record['selector_acc']:.3f}"} if "selector_acc" in record else {}
         self.bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['acc']:.3f}", tau=f"{record['tau']:.2f}",
-                             refresh=False)
+                             **selector, refresh=False)
         if step % self.log_every == 0 or step == self.last_step:
             self.write("train", step, {**record, **window_rates()})
 
     def eval(self, step: int, record: dict) -> None:
         self.write("eval", step, record)
-        self.bar.write(f"eval @ step {step}: decoding tau {record['decode_tau']:.3f} (per anchor {record['tau']:.3f})  "
-                       f"acc {record['acc']:.3f}")
+        self.bar.write(f"eval @ step {step}: {held_out_line(record)}")
 
     def write(self, kind: str, step: int, record: dict) -> None:
         self.jsonl.write(json.dumps({"kind": kind, "step": step, **record}) + "\n")

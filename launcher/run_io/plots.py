@@ -25,6 +25,9 @@ def plot_run(run_dir: Path) -> Path | None:
     if evals:
         tau_ax.plot([r["step"] for r in evals], [r["tau"] for r in evals], "o-", label="held-out, per anchor")
         tau_ax.plot([r["step"] for r in evals], [r["decode_tau"] for r in evals], "s-", label="held-out, decoding")
+        if "unary_decode_tau" in evals[0]:   # a DFlash 2: its selector walk above, its unary top-1 walk here
+            tau_ax.plot([r["step"] for r in evals], [r["unary_decode_tau"] for r in evals], "^--",
+                        label="held-out, decoding, unary top-1 walk")
     tau_ax.set(title="simulated acceptance length tau", xlabel="step")
     speed_ax.plot(steps, [r["tokens_per_s"] for r in train])
     speed_ax.set(title="drafter tokens/s (all ranks)", xlabel="step")

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass
 
 from launcher.context import Context
-from launcher.run_io.metrics import MetricsSink
+from launcher.run_io.metrics import MetricsSink, held_out_line
 from launcher.run_io.rundir import log
 
 # Run-level figures the trackers get beside the per-step curves.
@@ -48,6 +48,7 @@ class DrafterStats:
     compile_s: float | None        # seconds the warm-up (or the first step) compiled
     recompiles: int | None         # graphs compiled in the stream (static shapes: 0; None: no warm-up)
     compile_report: dict
+    held_out: dict | None          # the last held-out evaluation (StepCounts.summary()), None without one
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,9 @@ def summarise(ctx: Context, per_rank: list[RankStats]) -> dict:
         "first_loss": lead.first_loss,
         "last_loss": lead.last_loss,
         "skipped_steps": lead.skipped_steps,
+        # The last held-out evaluation: decode_tau is the walk serving drafts (a DFlash 2's selector walk, with
+        # its unary-only and oracle walks, recall_at_k and selector_acc beside it).
+        "held_out": lead.held_out,
         # Valid anchor slots / all anchor slots computed, and padding / all tokens the targets forwarded.
         "anchor_fill": lead.anchor_fill,
         "target_padding_fraction": 1 - sum(s.tokens for s in targets) / slots if slots else None,
@@ -134,7 +138,8 @@ def _totals(summary: dict) -> str:
             f"{_fraction(summary['target_padding_fraction'])}  "
             f"idle: targets {100 * summary['target_idle_fraction']:.0f}%, "
             f"drafters {100 * summary['drafter_idle_fraction']:.0f}%  channel {summary['channel_gb_per_s']:.3f} GB/s"
-            + (f"  skipped steps {summary['skipped_steps']}" if summary["skipped_steps"] else ""))
+            + (f"  skipped steps {summary['skipped_steps']}" if summary["skipped_steps"] else "")
+            + (f"\nheld-out: {held_out_line(summary['held_out'])}" if summary["held_out"] else ""))
 
 
 def _fraction(value) -> str:

@@ -15,13 +15,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from dflash_core.drafter.dflash2 import DFlash2Config
 from dflash_core.serving.export import CONFIG_NAME, WEIGHTS_NAME, check_export
 from launcher.config import ConfigError
 from launcher.evaluate import check_fits_target
 from launcher.serving.acceptance import prompt_row, summarize
 from launcher.serving.endpoint_check import check_serves_drafter, check_serves_target
 from launcher.serving.openai_client import OpenAIClient, ServerError
-from launcher.serving.vllm_server import VllmServer, parse_spec_counters
+from launcher.serving.vllm_server import ServerExited, VllmServer, parse_spec_counters
 
 log = logging.getLogger("dflash")
 
@@ -38,6 +39,12 @@ def read_export(drafter: str):
         raise ConfigError(f"evaluate.drafter={drafter!r}: no {WEIGHTS_NAME} in it (an export holds {CONFIG_NAME} and "
                           f"{WEIGHTS_NAME}, as launcher.export writes them)")
     return check_export(path)
+
+
+# Why a vLLM build refuses a DFlash 2 export, as its own code says (vllm/config/vllm.py, 0.32).
+DFLASH2_REFUSAL_REASON = ("vLLM drafts DFlash 2 (the selector's walk through each slot's top-K) only in its V2 model "
+                          "runner: its V1 runner would draft the checkpoint as plain DFlash, so it refuses it, and its "
+                          "CPU build runs V2 only with a Triton that has a CPU backend, which PyPI's triton lacks")
 
 
 def speculative_config(drafter: str, block_size: int) -> dict:
@@ -106,7 +113,7 @@ def evaluate_served(cfg: DictConfig) -> dict:
     # The HF engine's compute dtype (target.dtype on evaluate.device), so both engines compare alike.
     dtype = str(compute_dtype(cfg.target.dtype, resolve_device(ev.device, "evaluate.device"))).removeprefix("torch.")
     drafter_config = read_export(str(ev.drafter))
-    block_size = drafter_config.block_size
+    block_size, dflash2 = drafter_config.block_size, isinstance(drafter_config, DFlash2Config)
     if ev.endpoint is None:
         ensure_embedded_target(cfg, ev.seed)
     path = target_dir(cfg)
@@ -133,9 +140,17 @@ def evaluate_served(cfg: DictConfig) -> dict:
                                     max_prompt_tokens=max_prompt, chat_template_kwargs=template_kwargs)
     stop = stop_token_ids(tokenizer, generation_config, template_kwargs)
 
-    with _client(speculating, path, speculative_config(str(ev.drafter), block_size), ev, dtype,
-                 max_model_len) as client:
-        speculative, spec_s = decode_speculative(client, prompts, max_tokens=ev.max_new_tokens, stop=stop)
+    try:
+        with _client(speculating, path, speculative_config(str(ev.drafter), block_size), ev, dtype,
+                     max_model_len) as client:
+            speculative, spec_s = decode_speculative(client, prompts, max_tokens=ev.max_new_tokens, stop=stop)
+    except ServerExited as exc:
+        if not (dflash2 and exc.refusal):
+            raise
+        raise ConfigError(f"evaluate.engine=vllm: this vLLM build refuses to serve the DFlash 2 export "
+                          f"{ev.drafter}: \"{exc.refusal}\" ({DFLASH2_REFUSAL_REASON}); measure it with "
+                          f"evaluate.engine=hf, which decodes with the walk vLLM drafts, or serve it with a vLLM "
+                          f"build whose V2 model runner runs (on a GPU)") from None
     references, greedy_s = [None] * len(prompts), None
     if ev.check_lossless:
         with _client(plain, path, None, ev, dtype, max_model_len) as client:

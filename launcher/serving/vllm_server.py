@@ -32,6 +32,28 @@ REPO = Path(__file__).resolve().parents[2]
 VENV = REPO / ".venv-vllm"
 SPEC_METRIC = "vllm:spec_decode_"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # `vllm serve`'s OpenAI-compatible server
+# How vLLM words a refusal of its configuration in the log of a server that then exits: its config's pydantic
+# validation ("Value error, Model Runner V1 does not support: ... [type=value_error, ...") or a plain exception.
+_REFUSALS = (re.compile(r"Value error, (.+?) \[type="),
+             re.compile(r"^(?:ValueError|RuntimeError|NotImplementedError): (.+)$", re.MULTILINE))
+
+
+class ServerExited(ServerError):
+    """A server exited before it was ready; `refusal` holds vLLM's own words where it refused its configuration
+    (None: it failed otherwise; the message carries its log's tail)."""
+
+    def __init__(self, message: str, refusal: str | None):
+        super().__init__(message)
+        self.refusal = refusal
+
+
+def refusal_in(log_text: str) -> str | None:
+    """vLLM's words refusing its configuration in a server's log (the last such line), or None."""
+    for pattern in _REFUSALS:
+        found = pattern.findall(log_text)
+        if found:
+            return found[-1].strip()
+    return None
 
 
 def vllm_python(setting: str = "auto") -> Path:
@@ -177,8 +199,9 @@ class VllmServer:
             if self.process.poll() is not None:
                 self.keep_log = True   # the error names it
                 self.stop()
-                raise ServerError(f"vllm serve exited before it was ready ({exit_words(self.process.returncode)}; "
-                                  f"log {self.log_path}):\n{self.log_lines()}")
+                raise ServerExited(f"vllm serve exited before it was ready ({exit_words(self.process.returncode)}; "
+                                   f"log {self.log_path}):\n{self.log_lines()}",
+                                   refusal_in(self.log_path.read_text(errors="replace")))
             if time.monotonic() > self._deadline:
                 self.keep_log = True
                 self.stop()
