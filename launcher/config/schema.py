@@ -249,6 +249,14 @@ class EvaluateSettings(VllmServerSettings):
                                    "drafter (its --speculative-config); null: one is started here")
     plain_endpoint: Optional[str] = knob(None, "engine=vllm with endpoint and check_lossless: URL of a server of the "
                                          "same target without speculation")
+    baselines: list = knob([], "engine=vllm: what users run instead, served here on the same prompts and reported "
+                           "beside the drafter: ngram (vLLM's n-gram prompt-lookup speculation, needs no training)",
+                           each={"choices": ("ngram",)})
+    ngram_tokens: Optional[int] = knob(None, "baselines=[ngram]: tokens one n-gram draft proposes; null: as many as "
+                                       "the drafter's (block size - 1)", ge=1)
+    ngram_lookup_min: int = knob(2, "baselines=[ngram]: the shortest n-gram of the recent tokens looked up earlier "
+                                 "in the sequence", ge=1)
+    ngram_lookup_max: int = knob(4, "baselines=[ngram]: the longest n-gram looked up", ge=1)
 
 
 @dataclass
