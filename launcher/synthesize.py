@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import re
 import shutil
 import sys
@@ -332,6 +333,9 @@ def synthesize(cfg: DictConfig) -> dict:
 
 def run(overrides: list[str]) -> int:
     cfg = compose_config(overrides, config_name="synthesize")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("launcher.synthesize runs as one process (its candidates are numbered in one sequence); "
+                          "start it with python -m launcher.synthesize, not torchrun")
     validate(cfg)
     synthesize(cfg)
     return 0
