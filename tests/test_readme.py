@@ -96,10 +96,13 @@ def test_every_command_is_one_this_file_checks():
 
 def test_make_targets_exist():
     makefile = (REPO / "Makefile").read_text()
-    targets = [argv[1] for argv in _commands() if argv[0] == "make"]
-    assert targets == ["train", "test"]
-    for target in targets:
+    commands = [argv[1:] for argv in _commands() if argv[0] == "make"]
+    assert [args[0] for args in commands][:2] == ["train", "test"]
+    for target, *variables in commands:
         assert re.search(rf"^{target}:", makefile, re.M), target
+        for variable in variables:   # make train TARGET=smollm2 runs the rule train-smollm2
+            name, _, value = variable.partition("=")
+            assert name == "TARGET" and re.search(rf"^train-{value}:", makefile, re.M), variable
 
 
 @pytest.mark.parametrize("module,args,nproc", _launcher_commands(),

@@ -26,9 +26,11 @@ RECIPE_DIR = REPO / "conf" / "recipe"
 RECIPES = {"qwen3_8b": ("qwen3", "qwen3-8b"), "qwen3_6_27b": ("qwen3_5", None),
            "qwen3_5_35b_a3b": ("qwen3_5_moe", "qwen3.5-35b-a3b"), "llama3_1_8b": ("llama", "llama3-8b"),
            "gpt_oss_20b": ("gpt_oss", None)}
-# What a value's comment must name: the published recipe it follows, this project's measurement, or
-# that it is an estimate (or, for paths, that the user sets it).
-SOURCES = re.compile(r"\[z-lab\]|\[SpecForge\]|\[perf\]|estimate|set yours")
+# Recipes sized for CPU machines (make train TARGET=...): -> (family, real shape), as above.
+CPU_RECIPES = {"smollm2_135m": ("llama", "smollm2-135m")}
+# What a value's comment must name: the published recipe it follows, this project's measurement, the
+# target's own shape or the DFlash spec's rule, or that it is an estimate (or, for paths, that the user sets it).
+SOURCES = re.compile(r"\[z-lab\]|\[SpecForge\]|\[perf\]|\[target\]|\[spec\]|estimate|set yours")
 TINY_LENGTH = 256   # the tiny targets' chats; their max_position_embeddings is 1024
 
 
@@ -37,7 +39,7 @@ def _recipe(name: str):
 
 
 def test_every_recipe_file_is_listed():
-    assert {path.stem for path in RECIPE_DIR.glob("*.yaml")} == set(RECIPES)
+    assert {path.stem for path in RECIPE_DIR.glob("*.yaml")} == set(RECIPES) | set(CPU_RECIPES)
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -53,7 +55,7 @@ def test_cfg_job_prints_a_complete_config(name, capsys):
     assert printed.drafter.block_size == 16 and printed.data.packing is True
 
 
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("name", [*RECIPES, *CPU_RECIPES])
 def test_every_value_says_where_it_comes_from(name):
     body = (RECIPE_DIR / f"{name}.yaml").read_text().split("_self_", 1)[1]
     values = [line for line in body.splitlines() if re.match(r"\s+\w+: \S", line)]
@@ -110,11 +112,41 @@ def test_recipe_layer_ids_are_the_published_ones_on_their_target(name, layers, p
     assert cfg.drafter.target_layer_ids is None or name == "qwen3_5_35b_a3b"
 
 
+def test_cpu_recipe_fits_its_target_and_two_cpu_processes():
+    cfg = _recipe("smollm2_135m")
+    config = config_from_shape("smollm2-135m")
+    drafter = drafter_config_for_target(config, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
+                                        mask_token_id=cfg.drafter.mask_token_id,
+                                        target_layer_ids=list(cfg.drafter.target_layer_ids))
+    assert drafter.hidden_size == 576 and drafter.vocab_size == 49152 and drafter.num_target_layers == 30
+    assert cfg.drafter.mask_token_id == SHAPES["smollm2-135m"].mask_token_id
+    # the DFlash spec's spread: first 1, last N - 3, never the last layer (serving engines cannot capture it)
+    ids = list(cfg.drafter.target_layer_ids)
+    assert ids[0] == 1 and ids[-1] == 30 - 3 and ids == sorted(set(ids))
+    assert cfg.topology == "t1d1"   # the Makefile's --nproc-per-node 2
+    assert cfg.data.max_length <= config.max_position_embeddings and cfg.target.path == ".cache/smollm2-135m-instruct"
+
+
+def test_cpu_recipes_mask_token_is_a_special_token_the_template_never_renders():
+    """The real tokenizer, where launcher.fetch_target has built the target here (make train TARGET=smollm2)."""
+    from dflash_core.data import load_tokenizer
+    target = REPO / _recipe("smollm2_135m").target.path
+    if not (target / "fetch.json").is_file():
+        pytest.skip(f"{target} is not built (python -m launcher.fetch_target builds it)")
+    tokenizer = load_tokenizer(target)
+    mask = SHAPES["smollm2-135m"].mask_token_id
+    assert tokenizer.convert_ids_to_tokens(mask) == "<empty_output>" and mask in tokenizer.added_tokens_decoder
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+                                             tokenize=True, add_generation_prompt=True)
+    assert mask not in (rendered["input_ids"] if isinstance(rendered, dict) else rendered)
+    assert len(tokenizer) == config_from_shape("smollm2-135m").vocab_size   # no unused row: hence a chosen token
+
+
 def _stand_in_overrides(name: str, target_dir: Path, tmp_path: Path) -> list[str]:
     """The recipe on its family's tiny target: only what the tiny shape cannot hold is replaced (the
     layer ids of a 36-64 layer target, the mask id of its vocabulary, lengths beyond its positions, the
     anchors and FFN width of an 8B drafter), plus a few steps on one drafter."""
-    family = RECIPES[name][0]
+    family = {**RECIPES, **CPU_RECIPES}[name][0]
     overrides = [f"recipe={name}", f"target={'tiny' if family == 'qwen3' else f'tiny_{family}'}",
                  f"target.path={target_dir}", "drafter.target_layer_ids=[0,2]", "drafter.mask_token_id=auto",
                  "drafter.num_anchors=32", f"data.max_length={TINY_LENGTH}", f"data.fixed_length={TINY_LENGTH}",
@@ -127,9 +159,9 @@ def _stand_in_overrides(name: str, target_dir: Path, tmp_path: Path) -> list[str
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("name", [*RECIPES, *CPU_RECIPES])
 def test_recipe_trains_on_its_family_stand_in(name, tiny_target_dir, tmp_path):
-    family = RECIPES[name][0]
+    family = {**RECIPES, **CPU_RECIPES}[name][0]
     target_dir = tiny_target_dir if family == "qwen3" else _build_tiny_target(family)
     overrides = _stand_in_overrides(name, target_dir, tmp_path)
     proc = torchrun(2, *overrides)

