@@ -80,7 +80,7 @@ def test_a_recipe_value_of_the_wrong_type_names_the_key_value_type_and_file(tmp_
 
 def test_an_unknown_recipe_lists_the_recipes_that_exist():
     with pytest.raises(ConfigError, match=rf"^recipe='qwen3_9b': there is no {RECIPE_DIR}/qwen3_9b.yaml; the recipe "
-                                          rf"options are: {', '.join(sorted(RECIPES))}$"):
+                                          rf"options are: {', '.join(sorted({**RECIPES, **CPU_RECIPES}))}$"):
         compose_config(["recipe=qwen3_9b"])
 
 
