@@ -186,10 +186,16 @@ def run(overrides: list[str]) -> int:
     if (Path(ev.drafter) / CONFIG_NAME).is_file() and summary["tau"] is not None:   # an export: its card says it
         engine = summary["engine"]
         earlier = read_card_info(ev.drafter).get(acceptance_key(engine))
-        if earlier is None or ev.overwrite:
+        if not summary.get("drafter_checked", True):
+            log.warning("the model card of %s is not updated: which drafter the server at %s speculates with "
+                        "was not checked (said above), so these figures may be another drafter's; they are in %s",
+                        ev.drafter, summary["endpoint"], output)
+        elif earlier is None or ev.overwrite:
+            served_by = {"endpoint": summary["endpoint"]} if engine == "vllm" else {}   # where the figures came from
             record_acceptance_length(ev.drafter, summary["tau"], {
                 "prompts": summary["prompts"], "data": OmegaConf.to_container(ev.data) if OmegaConf.is_config(ev.data)
-                else ev.data, "max_new_tokens": ev.max_new_tokens, "lossless": summary["lossless"]}, engine=engine)
+                else ev.data, "max_new_tokens": ev.max_new_tokens, "lossless": summary["lossless"], **served_by},
+                engine=engine)
         else:
             log.warning("the model card of %s keeps its earlier acceptance length %.3f (engine %s; "
                         "evaluate.overwrite=true replaces it)", ev.drafter, earlier, engine)

@@ -141,9 +141,14 @@ def speculative_config(export_dir: Path) -> dict:
 SERVER_ARGS = ("--enforce-eager", "--kv-cache-memory-bytes", str(256 << 20))
 
 
+# vLLM's development mode serves /server_info, where it says which drafter it speculates with
+# (launcher/serving/endpoint_check.py).
+DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}
+
+
 def serve(target_dir: Path, export_dir: Path | None, log_path: Path, dtype: str = "float32") -> VllmServer:
     return VllmServer(target_dir, speculative=None if export_dir is None else speculative_config(export_dir),
-                      dtype=dtype, log_path=log_path, extra_args=SERVER_ARGS)
+                      dtype=dtype, log_path=log_path, extra_args=SERVER_ARGS, env=DEV_MODE)
 
 
 @dataclass

@@ -212,3 +212,43 @@ def test_evaluate_keeps_earlier_results(tmp_path, tiny_target_dir, fitting_draft
     assert json.loads(elsewhere.read_text())["prompts"] == 1
     assert read_card_info(export)["acceptance_length"] == 3.5
     assert "keeps its earlier acceptance length 3.500" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- the served engine
+def _missing_weights(export: Path) -> tuple[Path, str]:
+    (export / "model.safetensors").unlink()
+    return export, f"evaluate.drafter='{export}': no model.safetensors in it"
+
+
+def served_args(tmp_path: Path, target, drafter, *extra) -> list[str]:
+    """evaluate.engine=vllm with a `vllm serve` that leaves tmp_path/server-started behind: the refusals
+    below come before any server starts (a real start takes 35-60 s on CPU)."""
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\ntouch {tmp_path / 'server-started'}\nexit 1\n")
+    python.chmod(0o755)
+    return evaluate_args(target, drafter, "evaluate.engine=vllm", f"evaluate.vllm_python={python}", *extra)
+
+
+@pytest.mark.parametrize("breakage", [_break_weights, _break_config, _drop_dflash_config, _missing_weights])
+def test_served_evaluation_names_the_broken_drafter_file_before_any_server_starts(tmp_path, tiny_target_dir,
+                                                                                 fitting_drafter, capsys, breakage):
+    """Issue 46: the root cause sat beyond the 40-line log tail, after 35-59 s of server start."""
+    export_drafter(fitting_drafter, tmp_path / "export")
+    drafter, said = breakage(tmp_path / "export")
+    err = failure(capsys, evaluate.run, "evaluate", served_args(tmp_path, tiny_target_dir, drafter))
+    assert said in err
+    assert not (tmp_path / "server-started").exists()
+
+
+def test_served_evaluation_refuses_a_drafter_for_another_target_before_any_server_starts(tmp_path, tiny_target_dir,
+                                                                                        fitting_drafter, capsys):
+    """Issue 46: exit 0 after 117 s, tau 1.000, "lossless yes", where the HF engine refused in 6 s."""
+    export_drafter(fitting_drafter, tmp_path / "export", card={"target": str(tiny_target_dir),
+                                                               TARGET_IDENTITY: target_identity(tiny_target_dir)})
+    other = _other_target(tmp_path, tiny_target_dir)
+    err = failure(capsys, evaluate.run, "evaluate", served_args(tmp_path, other, tmp_path / "export"))
+    assert f"does not fit target.path='{other}': it was trained for the target {tiny_target_dir}" in err
+    export_drafter(DFlashDrafter(drafter_config(), seed=0), tmp_path / "small")
+    err = failure(capsys, evaluate.run, "evaluate", served_args(tmp_path, tiny_target_dir, tmp_path / "small"))
+    assert "hidden size: the drafter's 32, the target's 128" in err
+    assert not (tmp_path / "server-started").exists()

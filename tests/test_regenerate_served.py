@@ -80,6 +80,8 @@ class FakeChatServer:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path != "/v1/chat/completions":   # e.g. /tokenize: not served, as by SGLang
+                    return self._send(404, {"error": "Not Found"})
                 with lock:
                     fake.requests.append(body)
                     dead = fake.close_after is not None and fake.answered >= fake.close_after
@@ -191,6 +193,17 @@ def test_an_unreachable_endpoint_is_named_before_any_work(tmp_path, chats, tiny_
         _run(tiny_target_dir, chats, tmp_path / "out.jsonl", "localhost:8000")
     with pytest.raises(ConfigError, match="regenerate.endpoints=.*regenerate.engine=openai, not hf"):
         _run(tiny_target_dir, chats, tmp_path / "out.jsonl", "http://127.0.0.1:1", engine="hf")
+
+
+def test_a_server_that_cannot_say_what_it_serves_is_named_once_as_not_checked(tmp_path, chats, tiny_target_dir,
+                                                                               capfd):
+    """The fake serves 'fake-target' (no model directory here) and tokenizes nothing on request, as
+    SGLang: whether it serves target.path cannot be told, and the log says so at info, once per server."""
+    server = FakeChatServer()
+    assert _run(tiny_target_dir, chats, tmp_path / "out.jsonl", server.url) == 0
+    said = [line for line in capfd.readouterr().err.splitlines() if "is not checked" in line]
+    assert len(said) == 1 and " INFO " in said[0], said
+    assert f"regenerate.endpoints: the server at {server.url} serves 'fake-target'" in said[0]
 
 
 def test_a_server_that_dies_loses_no_finished_answer_and_the_rerun_answers_the_rest(tmp_path, chats,

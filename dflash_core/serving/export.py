@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 from ..drafter import dflash2
 from ..drafter.dflash2 import DFlash2Config, build_drafter
 from ..drafter.model import DrafterConfig
-from ..files.readers import bad_file, check_safetensors, load_safetensors, read_json
+from ..files.readers import bad_file, check_safetensors, load_safetensors, open_safetensors, read_json
 from .finite import check_finite
 from .model_card import CARD_NAME, write_model_card
 
@@ -223,13 +223,24 @@ def load_exported(path, *, device=None, dtype=torch.float32):
     # Imported here: hf_model pulls in transformers' modeling code (docs/perf_notes.md, "Figures the
     # code quoted"), which a process that only writes exports (every training drafter) never needs.
     path = Path(path)
-    cfg = read_exported_config(path)
+    cfg = check_export(path)
     state = load_safetensors(path / WEIGHTS_NAME)
-    _check_keys(set(state), set(expected_keys(cfg)), str(path / WEIGHTS_NAME))
     with torch.device("meta"):  # skip the random init: every tensor comes from the file
         drafter = build_drafter(cfg)
     drafter.load_state_dict(state, assign=True)
     return drafter.to(device=device, dtype=dtype)
+
+
+def check_export(path):
+    """The DrafterConfig of the export in directory `path`, its files read without loading a tensor:
+    config.json a DFlash drafter's, model.safetensors whole (its header) and holding exactly this
+    drafter's tensor names. A broken file is a BadFileError naming it; a missing one a
+    FileNotFoundError naming it."""
+    path = Path(path)
+    cfg = read_exported_config(path)
+    with open_safetensors(path / WEIGHTS_NAME) as weights:
+        _check_keys(set(weights.keys()), set(expected_keys(cfg)), str(path / WEIGHTS_NAME))
+    return cfg
 
 
 def read_exported_config(path):

@@ -100,13 +100,18 @@ def acceptance_comparison(info) -> str:
     return "\n".join(lines)
 
 
+def identifying_config(model_dir):
+    """A model directory's config.json without the keys that differ between copies of one model."""
+    config = read_json(Path(model_dir) / "config.json")
+    return {key: value for key, value in config.items() if key not in _COPY_KEYS}
+
+
 def target_identity(target_dir):
     """What names a target beyond its path, which moves: {"model_type", "config_sha256"} (the digest
-    of its config.json without the keys that differ between copies of one model)."""
-    config = read_json(Path(target_dir) / "config.json")
-    kept = {key: value for key, value in config.items() if key not in _COPY_KEYS}
+    of identifying_config, its config.json without the keys that differ between copies of one model)."""
+    kept = identifying_config(target_dir)
     digest = hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return {"model_type": config.get("model_type"), "config_sha256": digest}
+    return {"model_type": kept.get("model_type"), "config_sha256": digest}
 
 
 def other_target(info, target_dir):

@@ -44,6 +44,7 @@ from launcher.regeneration.parts import (
     prepare_parts,
     template_kwargs,
 )
+from launcher.serving.endpoint_check import check_serves_target
 from launcher.serving.openai_client import OpenAIClient, RequestRefused, ServerDown
 
 log = logging.getLogger("dflash")
@@ -289,12 +290,13 @@ def run_served(cfg: DictConfig) -> int:
         raise ConfigError(f"regenerate.engine={r.engine!r}: one process spreads the prompts over the servers; "
                           f"start it with python -m launcher.regenerate, not torchrun")
     urls = _checked_urls(cfg) if r.engine == "openai" else None
-    if urls is not None:
-        connected(urls, cfg)   # before any work: an unreachable server is named at once
+    clients = connected(urls, cfg) if urls is not None else []   # before any work: an unreachable server is named
     if r.engine == "vllm" or not r.tokenizer:
         ensure_embedded_target(cfg, seed=0)
     target = target_dir(cfg)
     tokenizer = load_tokenizer(Path(r.tokenizer) if r.tokenizer else target)
+    for client in clients:   # before any prompt is sent (the servers started here serve `target`)
+        check_serves_target(client, target, tokenizer, "regenerate.endpoints")
     try:
         generation = GenerationConfig.from_pretrained(target)
     except OSError:   # a tokenizer directory alone: the tokenizer's and the template's stops

@@ -1,5 +1,6 @@
 """The client of one OpenAI-compatible server (vLLM, SGLang): chat and token-id completions, the
-served model's name, and the `/health` and Prometheus `/metrics` pages those servers serve besides.
+served model (name and path), and what those servers serve besides: `/health`, Prometheus
+`/metrics`, vLLM's `/tokenize` and (in its development mode) `/server_info`.
 
 Every request takes one path with one retry policy. A request the server failed (no answer:
 refused, reset, timed out or torn; HTTP 5xx; 429) is retried after waits that double from
@@ -40,6 +41,7 @@ class OpenAIClient:
         self.url = url.rstrip("/")
         self.max_retries, self.backoff_s, self.timeout_s = max_retries, backoff_s, timeout_s
         self._model: str | None = None
+        self.served: dict = {}   # the served model's /v1/models entry: id, and with vLLM root (its path), max_model_len
 
     def _request(self, path: str, payload: dict | None = None, *, read=json.loads, timeout_s: float | None = None,
                 retries: int | None = None):
@@ -73,15 +75,16 @@ class OpenAIClient:
             return False
 
     def connect(self, timeout_s: float = 30.0) -> str:
-        """The served model's name (GET /v1/models, once, no retries); ServerDown saying why when
-        no model answers there."""
+        """The served model's name (GET /v1/models, once, no retries; its whole entry in `served`);
+        ServerDown saying why when no model answers there."""
         try:
             answer = self._request("/v1/models", timeout_s=timeout_s, retries=0)
         except RequestRefused as err:   # no OpenAI-compatible server there
             raise ServerDown(str(err)) from None
         try:
-            self._model = answer["data"][0]["id"]
-        except (LookupError, TypeError):
+            self.served = dict(answer["data"][0])
+            self._model = self.served["id"]
+        except (LookupError, TypeError, ValueError):
             raise ServerDown(f"GET {self.url}/v1/models: the server serves no model (it answered "
                              f"{json.dumps(answer)[:200]})") from None
         return self._model
@@ -104,6 +107,27 @@ class OpenAIClient:
         if choice.get("token_ids") is None:
             raise ServerError(f"{self.url} returned no token_ids: a vLLM without `return_token_ids` (use >= 0.10.2)")
         return list(choice["token_ids"])
+
+    def tokenize(self, text: str) -> list[int] | None:
+        """The ids the server's tokenizer gives `text`, no special tokens added (vLLM's POST /tokenize,
+        once); None when the server has no such endpoint (it answers HTTP 4xx)."""
+        try:
+            answer = self._request("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": False},
+                                   timeout_s=30.0, retries=0)
+        except RequestRefused:
+            return None
+        tokens = answer.get("tokens") if isinstance(answer, dict) else None
+        return list(tokens) if isinstance(tokens, list) else None
+
+    def server_config(self) -> dict | None:
+        """vLLM's whole engine config (GET /server_info?config_format=json, once: its `vllm_config`);
+        None when the server does not expose it (vLLM does only with VLLM_SERVER_DEV_MODE=1)."""
+        try:
+            answer = self._request("/server_info?config_format=json", timeout_s=30.0, retries=0)
+        except RequestRefused:
+            return None
+        config = answer.get("vllm_config") if isinstance(answer, dict) else None
+        return config if isinstance(config, dict) else None
 
     def metrics(self) -> str:
         """The server's Prometheus page (GET /metrics)."""

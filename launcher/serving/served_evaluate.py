@@ -9,28 +9,35 @@ Servers are started here (VllmServer) or are the user's (evaluate.endpoint / pla
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from dflash_core.serving.export import CONFIG_NAME, WEIGHTS_NAME, check_export
 from launcher.config import ConfigError
+from launcher.evaluate import check_fits_target
 from launcher.serving.acceptance import prompt_row, summarize
-from launcher.serving.openai_client import OpenAIClient
+from launcher.serving.endpoint_check import check_serves_drafter, check_serves_target
+from launcher.serving.openai_client import OpenAIClient, ServerError
 from launcher.serving.vllm_server import VllmServer, parse_spec_counters
 
 log = logging.getLogger("dflash")
 
 
-def export_block_size(drafter: str) -> int:
-    """A servable drafter is an export (config.json with dflash_config); its block size."""
-    config = Path(drafter) / "config.json"
-    if not config.is_file():
+def read_export(drafter: str):
+    """A servable drafter is an export (config.json with dflash_config, model.safetensors): its
+    DrafterConfig, both files read here, so a missing or broken one is named in seconds rather than
+    in the log of a server that failed to start."""
+    path = Path(drafter)
+    if not (path / CONFIG_NAME).is_file():
         raise ConfigError(f"evaluate.drafter={drafter!r}: evaluate.engine=vllm serves an exported drafter "
-                          f"(a directory with config.json), not a checkpoint; export it first (launcher.export)")
-    return int(json.loads(config.read_text())["dflash_config"]["block_size"])
+                          f"(a directory with {CONFIG_NAME}), not a checkpoint; export it first (launcher.export)")
+    if not (path / WEIGHTS_NAME).is_file():
+        raise ConfigError(f"evaluate.drafter={drafter!r}: no {WEIGHTS_NAME} in it (an export holds {CONFIG_NAME} and "
+                          f"{WEIGHTS_NAME}, as launcher.export writes them)")
+    return check_export(path)
 
 
 def speculative_config(drafter: str, block_size: int) -> dict:
@@ -38,16 +45,23 @@ def speculative_config(drafter: str, block_size: int) -> dict:
     return {"method": "dflash", "model": str(Path(drafter).resolve()), "num_speculative_tokens": block_size - 1}
 
 
+def checked_endpoint(endpoint: str, setting: str, target: Path, tokenizer) -> OpenAIClient:
+    """A client of the user's server at `endpoint`, which must serve target.path's model. It never
+    retries: a completion sent again would count its drafts twice in the counters' difference."""
+    client = OpenAIClient(endpoint, max_retries=0)
+    try:
+        client.connect()
+    except ServerError as err:
+        raise ConfigError(f"{setting}={endpoint!r}: no vLLM server answers there ({err})") from None
+    check_serves_target(client, target, tokenizer, setting)
+    return client
+
+
 @contextlib.contextmanager
-def _client(endpoint, target: Path, speculative: dict | None, ev, dtype: str, max_model_len: int):
-    """A client of the server at `endpoint`, else of one started here for the block. It never retries:
-    a completion sent again would count its drafts twice in the counters' difference."""
-    if endpoint:
-        client = OpenAIClient(endpoint, max_retries=0)
-        if not client.healthy():
-            key = "evaluate.endpoint" if speculative else "evaluate.plain_endpoint"
-            raise ConfigError(f"{key}={endpoint!r}: no vLLM server answers /health there")
-        yield client
+def _client(checked: OpenAIClient | None, target: Path, speculative: dict | None, ev, dtype: str, max_model_len: int):
+    """The `checked` client of the user's server, else one of a server started here for the block."""
+    if checked is not None:
+        yield checked
         return
     log.info("starting vllm serve %s (%s)", target, "speculative" if speculative else "plain")
     with VllmServer(target.resolve(), speculative=speculative, dtype=dtype, max_model_len=max_model_len,
@@ -61,9 +75,6 @@ def decode_speculative(client: OpenAIClient, prompts, *, max_tokens: int, stop: 
     """-> [(tokens, drafts, per_position)] per prompt, and the seconds spent decoding."""
     results, seconds = [], 0.0
     before = parse_spec_counters(client.metrics())
-    if not before["speculating"]:
-        raise ConfigError(f"the server at {client.url} exposes no vllm:spec_decode_* counters: it does not "
-                          f"speculate (start it with --speculative-config, or leave evaluate.endpoint unset)")
     for ids in prompts:
         started = time.perf_counter()
         tokens = client.complete_ids(ids, max_tokens=max_tokens, stop_token_ids=stop)
@@ -94,12 +105,24 @@ def evaluate_served(cfg: DictConfig) -> dict:
     ev = cfg.evaluate
     # The HF engine's compute dtype (target.dtype on evaluate.device), so both engines compare alike.
     dtype = str(compute_dtype(cfg.target.dtype, resolve_device(ev.device, "evaluate.device"))).removeprefix("torch.")
-    block_size = export_block_size(str(ev.drafter))
+    drafter_config = read_export(str(ev.drafter))
+    block_size = drafter_config.block_size
     if ev.endpoint is None:
         ensure_embedded_target(cfg, ev.seed)
     path = target_dir(cfg)
+    check_fits_target(ev, drafter_config, path)   # as the HF engine does, before any server starts
+    if ev.check_lossless and ev.endpoint and not ev.plain_endpoint:
+        raise ConfigError(f"evaluate.endpoint={ev.endpoint!r} with evaluate.check_lossless=true needs "
+                          f"evaluate.plain_endpoint (a server of the same target without speculation), "
+                          f"or set evaluate.check_lossless=false")
     template_kwargs = OmegaConf.to_container(ev.chat_template_kwargs)
     tokenizer = load_tokenizer(path)
+    # The user's servers, checked before any prompt is sent and any server is started here.
+    speculating = checked_endpoint(ev.endpoint, "evaluate.endpoint", path, tokenizer) if ev.endpoint else None
+    drafter_checked = check_serves_drafter(speculating, Path(ev.drafter), block_size, "evaluate.endpoint") \
+        if speculating else True   # a server started here serves evaluate.drafter
+    plain = checked_endpoint(ev.plain_endpoint, "evaluate.plain_endpoint", path, tokenizer) \
+        if ev.check_lossless and ev.plain_endpoint else None
     try:
         generation_config = GenerationConfig.from_pretrained(path)
     except OSError:
@@ -109,21 +132,17 @@ def evaluate_served(cfg: DictConfig) -> dict:
     prompts, skipped = load_prompts(dataset_paths(ev.data, "evaluate.data"), tokenizer, ev.num_prompts,
                                     max_prompt_tokens=max_prompt, chat_template_kwargs=template_kwargs)
     stop = stop_token_ids(tokenizer, generation_config, template_kwargs)
-    if ev.check_lossless and ev.endpoint and not ev.plain_endpoint:
-        raise ConfigError(f"evaluate.endpoint={ev.endpoint!r} with evaluate.check_lossless=true needs "
-                          f"evaluate.plain_endpoint (a server of the same target without speculation), "
-                          f"or set evaluate.check_lossless=false")
 
-    with _client(ev.endpoint, path, speculative_config(str(ev.drafter), block_size), ev, dtype,
+    with _client(speculating, path, speculative_config(str(ev.drafter), block_size), ev, dtype,
                  max_model_len) as client:
         speculative, spec_s = decode_speculative(client, prompts, max_tokens=ev.max_new_tokens, stop=stop)
     references, greedy_s = [None] * len(prompts), None
     if ev.check_lossless:
-        with _client(ev.plain_endpoint, path, None, ev, dtype, max_model_len) as client:
+        with _client(plain, path, None, ev, dtype, max_model_len) as client:
             references, greedy_s = decode_plain(client, prompts, max_tokens=ev.max_new_tokens, stop=stop)
     per_prompt = [prompt_row(ids, tokens, drafts, per_position, reference)
                   for ids, (tokens, drafts, per_position), reference in zip(prompts, speculative, references)]
     return {"engine": "vllm", "endpoint": ev.endpoint or "started here", "drafter": str(ev.drafter),
-            "target": str(path), "device": "vllm", "dtype": dtype, "skipped": skipped,
-            "max_new_tokens": ev.max_new_tokens,
+            "drafter_checked": drafter_checked, "target": str(path), "device": "vllm", "dtype": dtype,
+            "skipped": skipped, "max_new_tokens": ev.max_new_tokens,
             **summarize(per_prompt, block_size, speculative_s=spec_s, greedy_s=greedy_s)}
