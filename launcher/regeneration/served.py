@@ -12,7 +12,8 @@ of the content) as `reasoning_content`, the tool calls, and the generated token 
 server returns them (vLLM's `return_token_ids`). A conversation is written to the part file, on
 disk, as soon as its last turn is answered; a server that stops answering leaves the prompts it
 held to the others, and when none is left the run stops saying which prompts are unanswered and
-that the same command resumes (parts.py).
+that the same command resumes (parts.py); a started server that died is named with its log. SIGTERM
+and SIGINT stop the servers and say how many answers are kept; a run that kept none leaves no parts.
 """
 from __future__ import annotations
 
