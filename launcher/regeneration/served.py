@@ -15,7 +15,9 @@ held go back to the queue for the others (whose workers wait while any prompt is
 and it is asked again now and then and takes prompts once it answers (each change logged once).
 When every server is down the run stops saying which prompts are unanswered and that the same
 command resumes (parts.py); when the servers answered none of the prompts (refused them all) it
-stops with their reason, writing nothing.
+stops with their reason, writing nothing. A started
+server that died is named with its log. SIGTERM and SIGINT stop the servers and say how many answers are
+kept; a run that kept none leaves no parts.
 """
 from __future__ import annotations
 
