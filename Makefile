@@ -67,10 +67,12 @@ train-tiny: install $(OWN_CHATS)/train.jsonl
 	  || grep -q DFlash2DraftModel $(RUN_DIR)/export/config.json; \
 	  else echo "served tau: no $(VLLM_VENV) (make vllm-env builds it)"; fi
 
-# The tiny target's own greedy answers to the bundled prompts (what a recipe does with its target).
+# The tiny target's own greedy answers to the bundled prompts (what a recipe does with its target). On CPU
+# in fp32, the precision launcher.evaluate decodes in there (regeneration's auto is bf16: 4 of the first 16
+# answers differ from fp32's), so the drafter learns the answers it is measured on.
 $(OWN_CHATS)/train.jsonl: | install
 	$(PYTHON) -m launcher.regenerate target.path=$(TINY_TARGET) regenerate.output=$(OWN_CHATS)/answers.jsonl \
-	  regenerate.overwrite=true \
+	  regenerate.overwrite=true $(if $(filter 0,$(GPUS)),target.dtype=fp32) \
 	  regenerate.max_new_tokens=192 regenerate.batch_size=32
 	head -n -$(EVAL_CHATS) $(OWN_CHATS)/answers.jsonl > $(OWN_CHATS)/train.jsonl.tmp
 	tail -n $(EVAL_CHATS) $(OWN_CHATS)/answers.jsonl > $(OWN_CHATS)/eval.jsonl

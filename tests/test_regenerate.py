@@ -55,7 +55,8 @@ def test_two_ranks_greedy_matches_hf_generate_and_output_trains(tmp_path, tiny_t
     output = tmp_path / "regenerated.jsonl"
     proc = torchrun(2, f"target.path={tiny_target_dir}", f"regenerate.output={output}",
                     f"regenerate.limit={NUM_PROMPTS}", f"regenerate.max_new_tokens={MAX_NEW_TOKENS}",
-                    "regenerate.batch_size=4", "regenerate.device=cpu", module="launcher.regenerate")
+                    "regenerate.batch_size=4", "regenerate.device=cpu", "target.dtype=fp32",   # exact, as below
+                    module="launcher.regenerate")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert not output.with_name(output.name + ".parts").exists()
 

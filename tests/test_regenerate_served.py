@@ -401,7 +401,8 @@ def _regenerate(target, output, *overrides) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "launcher.regenerate", f"target.path={target}",
                            f"regenerate.input={BUNDLED_DATASET}", f"regenerate.output={output}",
                            f"regenerate.limit={NUM_CHATS}", "regenerate.max_new_tokens=32", "regenerate.device=cpu",
-                           *overrides], cwd=REPO, capture_output=True, text=True, timeout=1500, check=False)
+                           "target.dtype=fp32", *overrides],
+                          cwd=REPO, capture_output=True, text=True, timeout=1500, check=False)
 
 
 @pytest.fixture(scope="session")

@@ -150,7 +150,10 @@ def _answer(cfg: DictConfig, rank: int, world: int, device) -> int:
         raise part_files.every_prompt_skipped(cfg, stats, shares)
 
     check_target_files(target_dir(cfg))
-    model = AutoModelForCausalLM.from_pretrained(target_dir(cfg), dtype=compute_dtype(cfg.target.dtype, device))
+    dtype = compute_dtype(cfg.target.dtype, device, cpu=torch.bfloat16)
+    if rank == 0:
+        log.info("answering with %s in %s on %s (target.dtype=%s)", target_dir(cfg), dtype, device, cfg.target.dtype)
+    model = AutoModelForCausalLM.from_pretrained(target_dir(cfg), dtype=dtype)
     model.requires_grad_(False).eval().to(device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stop_ids = stop_token_ids(tokenizer, model.generation_config, part_files.template_kwargs(cfg))

@@ -370,7 +370,7 @@ def started_servers(cfg: DictConfig, target: Path, section: str = "regenerate"):
 
     r = cfg[section]
     device = resolve_device(r.device, f"{section}.device")
-    dtype = str(compute_dtype(cfg.target.dtype, device)).removeprefix("torch.")
+    dtype = str(compute_dtype(cfg.target.dtype, device, cpu=torch.bfloat16)).removeprefix("torch.")
     width = _tensor_parallel_size([str(a) for a in r.vllm_args])
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     groups = [",".join(map(str, range(first, first + width))) for first in range(0, gpus - width + 1, width)]
