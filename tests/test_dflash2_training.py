@@ -13,6 +13,7 @@ from dflash_core.loss.head_loss import loss_weights
 from dflash_core.loss.objective import block_input_ids, block_labels, drafter_step, evaluate_tau
 from dflash_core.loss.selector_loss import selector_terms
 from dflash_core.serving.model_card import read_card_info
+from launcher.run_io import checkpoint
 from tests.drafters import SMALL, step_settings
 from tests.launching import tiny_overrides, torchrun
 
@@ -193,8 +194,7 @@ def test_a_launched_dflash2_run_trains_evaluates_and_resumes_bitwise(tmp_path, t
     relaunched = torchrun(3, *common, f"run.dir={resumed}")
     assert relaunched.returncode == 0, relaunched.stderr[-4000:]
     assert "resuming at step 4" in relaunched.stderr
-    final = [torch.load(run / "checkpoints" / f"step_{steps:08d}" / "state.pt", weights_only=True)["model"]
-             for run in (straight, resumed)]
+    final = [checkpoint.load_weights(run / "checkpoints" / f"step_{steps:08d}")[2] for run in (straight, resumed)]
     assert final[0].keys() == final[1].keys() and any("candidate_selector" in key for key in final[0])
     for key in final[0]:
         assert torch.equal(final[0][key], final[1][key]), key

@@ -27,6 +27,7 @@ from dflash_core.target.families import (
     text_config,
 )
 from dflash_core.target.tiny import TINY_SHAPES, build_tiny_target
+from launcher.resolve import embedded_target_path
 from tests.launching import torchrun
 
 REPO = Path(__file__).resolve().parent.parent
@@ -233,8 +234,9 @@ def test_twenty_steps_train_on_each_family(tmp_path, family):
     """`target=tiny_<family>` builds its target on first use and the real launcher trains on it
     (one drafter: what depends on the family is the target's side; test_launch trains two)."""
 
-    run_dir, target_dir = tmp_path / "run", tmp_path / "target"
-    proc = torchrun(2, "topology=t1d1", f"target=tiny_{family}", f"target.path={target_dir}", "train.steps=20",
+    # Built at its own path only (launcher.resolve.embedded_target_path), once: later runs reuse it.
+    run_dir, target_dir = tmp_path / "run", REPO / embedded_target_path(family)
+    proc = torchrun(2, "topology=t1d1", f"target=tiny_{family}", "train.steps=20",
                     "train.eval_every=0", "optim.lr=3e-3", f"run.dir={run_dir}", f"data.cache_dir={tmp_path / 'tok'}",
                     "run.progress=false")
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -65,7 +65,9 @@ def test_step_zero_trains_the_exported_model(tiny_target_dir, world, export_dir)
     exported = load_exported(export_dir)
     for name, value in exported.state_dict().items():
         assert torch.equal(trainer.drafter.state_dict()[name], value), name
-    assert not trainer.optimizer.state_dict()["state"]           # no moments: AdamW starts fresh
+    assert trainer.optimizer.state_dict()["step"] == 0          # no updates and no moments: AdamW starts fresh
+    assert all(not piece.tensor.any() for piece in trainer.optimizer.checkpoint_pieces(writing=False)
+               if not piece.key.startswith("model."))
     assert trainer.scheduler.last_epoch == 0
 
     expected_eval = evaluate_tau(exported.eval(), trainer.head, held_out.input_ids, held_out.loss_mask,
@@ -87,8 +89,10 @@ def test_an_export_of_another_shape_is_refused_naming_each_field(tiny_target_dir
     with pytest.raises(ConfigError) as error:
         _job(tiny_target_dir, f"drafter.init_from={export_dir}", "drafter.num_layers=3", "drafter.block_size=6")
     message = str(error.value)
-    assert (f"drafter.init_from='{export_dir}': the export's drafter differs from the configured one in 3 fields:"
+    assert (f"drafter.init_from='{export_dir}': the export's drafter differs from the configured one in 4 fields:"
             in message)
+    # Layer ids follow the layer count (drafter.target_layer_ids=null: the published drafters' spread).
+    assert "target_layer_ids: export [0, 2], configured [0, 1, 2] (drafter.target_layer_ids)" in message
     assert "num_hidden_layers: export 2, configured 3 (drafter.num_layers)" in message
     assert "block_size: export 8, configured 6 (drafter.block_size)" in message
     assert "layer_types: export ['full_attention', 'full_attention'], configured" in message

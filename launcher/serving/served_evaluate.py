@@ -190,5 +190,6 @@ def evaluate_served(cfg: DictConfig) -> dict:
     return {"engine": "vllm", "endpoint": ev.endpoint or "started here", "drafter": str(ev.drafter),
             "drafter_checked": drafter_checked, "target": str(path), "device": "vllm", "dtype": dtype,
             "skipped": skipped, "max_new_tokens": ev.max_new_tokens,
+            "walk": "selector" if dflash2 else "unary",   # how vLLM 0.32 drafts each kind
             **summarize(per_prompt, block_size, speculative_s=spec_s, greedy_s=greedy_s),
             **({"baselines": baselines} if baselines else {})}
