@@ -58,18 +58,20 @@ class StepMemory:
                 f"{self.optimiser / GIB:.2f}, activations {self.activations / GIB:.2f})")
 
 
-def parameter_count(drafter_class, config) -> int:
+def parameter_count(config) -> int:
     """The drafter's parameters, counted on the meta device (nothing allocated)."""
+    from .dflash2 import build_drafter
     with torch.device("meta"):
-        return sum(p.numel() for p in drafter_class(config).parameters())
+        return sum(p.numel() for p in build_drafter(config).parameters())
 
 
 def step_memory(config, *, parameters: int, rows: int, seq_len: int, num_anchors: int, chunk_blocks: int,
                 backend: str, compute_bytes: int, drafters: int = 1, grad_accum: int = 1,
-                tied_head: bool = False) -> StepMemory:
+                tied_head: bool = False, head_in_place: bool = False) -> StepMemory:
     """StepMemory of one drafter rank training `config` (a DrafterConfig) at [rows, seq_len] with
     num_anchors blocks a row; compute_bytes: 4 (fp32, CPU) or 2 (bf16 under autocast, GPU); drafters:
-    the ranks sharing the optimiser's shards and gradient sums."""
+    the ranks sharing the optimiser's shards and gradient sums; head_in_place: the compiled CUDA head loss,
+    whose Triton kernels turn a chunk's logits into their gradient where they lie (no fp32 copies)."""
     hidden, layers = config.hidden_size, config.num_hidden_layers
     query_width = config.num_attention_heads * config.head_dim
     kv_width = config.num_key_value_heads * config.head_dim
@@ -95,6 +97,6 @@ def step_memory(config, *, parameters: int, rows: int, seq_len: int, num_anchors
     shared_masks = len(set(config.layer_types)) * rows * queries * keys * _SDPA_SHARED_PAIR_BYTES \
         if backend == "sdpa" else 0
     chunk_rows = rows * min(chunk_blocks, num_anchors) * (config.block_size - 1)
-    head_chunk = chunk_rows * vocab * (compute_bytes + 4 * _HEAD_CHUNK_FP32_COPIES)
+    head_chunk = chunk_rows * vocab * (compute_bytes + (0 if head_in_place else 4 * _HEAD_CHUNK_FP32_COPIES))
     activations = layers * layer + outside + shared_masks + head_chunk
     return StepMemory(weights, optimiser, activations)
