@@ -18,9 +18,9 @@ from tests.launching import REPO, _env
 # rows x anchors x block over a fixed row: 2 x 256 x 16 queries over 512 + 4096 keys, ~0.6 GB of
 # activations on CPU, far above what the process's allocator and threads hold beside them.
 SHAPE = ["train.micro_batch_size=2", "drafter.num_anchors=256", "drafter.block_size=16", "data.fixed_length=512"]
-# The count is fitted to peaks measured at eight CPU shapes (0.79x to 1.14x of them; the rows of
-# dflash_core/drafter/memory.py); 1.5x either way leaves room for another allocator's or torch's
-# temporaries, and is still far inside the 30x an unchecked first step could be off by.
+# The count is within 0.93x-1.08x of a whole step's measured peak at four CPU shapes (docs/perf_notes.md,
+# "Drafter step memory on CPU"); 1.5x either way leaves room for another allocator's or torch version's
+# temporaries while still telling a count that misses a whole term (the masks, the head chunk) from one that does not.
 FACTOR = 1.5
 PEAK = """
 import json, re, sys, torch, torch.distributed as dist
