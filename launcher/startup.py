@@ -23,6 +23,7 @@ from launcher.distributed.topology import Topology, build_groups
 from launcher.job import Job
 from launcher.resolve import ensure_embedded_target, resolve, resolve_device
 from launcher.roles.fault import maybe_fail_at_stage
+from launcher.roles.memory import check_memory
 from launcher.run_io.lock import RunLock
 from launcher.run_io.provenance import provenance, this_rank, write_provenance
 from launcher.run_io.resume import Launch, ResumeError, choose
@@ -160,6 +161,7 @@ def start_process(cfg: DictConfig, overrides: list[str], topo: Topology, env: Pr
     progress.meet("target_ready")
     progress.stage("resolving")
     job = resolve(cfg, topo, device)
+    check_memory(job, layout, env.rank)   # before anything loads: a shape too large is refused, not OOM-killed
     record = provenance(overrides, layout, job.init_from.record() if job.init_from else None)
     job, start_step, resume_from = _resume_point(job, env, topo.lead_drafter, run_dir, groups.control, progress)
     if env.rank == 0:   # only once the run may go on: a refused resume leaves the run's own record as it was

@@ -12,6 +12,8 @@ never holds, else a masked slot looks like a real token. In order of preference:
 """
 from __future__ import annotations
 
+import itertools
+
 from .families import TargetError, text_config
 
 # The candidates a MaskTokenError shows when no special token is free: the vocabulary's last ids, a
@@ -67,11 +69,12 @@ def choose_mask_token(tokenizer, config) -> tuple[int, str]:
         token = tokenizer.added_tokens_decoder[free[0]].content
         return free[0], (f"{token!r}, the tokenizer's first special token that neither the chat template nor "
                          f"bos/eos/pad/unk uses (the tokenizer fills all {vocab_size} embedding rows)")
-    candidates = [(token_id, tokenizer.convert_ids_to_tokens(token_id))
-                  for token_id in range(vocab_size - _SHOWN, vocab_size)]
-    specials = sorted(tokenizer.added_tokens_decoder)
+    added = tokenizer.added_tokens_decoder
+    merges = itertools.islice((token_id for token_id in range(vocab_size - 1, -1, -1) if token_id not in added), _SHOWN)
+    candidates = [(token_id, tokenizer.convert_ids_to_tokens(token_id)) for token_id in merges]
+    specials = sum(token.special for token in added.values())
     raise MaskTokenError(
-        f"the tokenizer fills all {vocab_size} embedding rows and each of its {len(specials)} special tokens is "
+        f"the tokenizer fills all {vocab_size} embedding rows and each of its {specials} special tokens is "
         f"in use (bos/eos/pad/unk or the chat template): no id is free for the mask token; choose one whose token "
         f"your data never holds, e.g. one of the vocabulary's last merges: "
         + ", ".join(f"{token_id} {token!r}" for token_id, token in candidates), candidates)
