@@ -199,7 +199,7 @@ def test_served_evaluation_reports_what_the_hf_engine_does(both_engines, served_
     hf, vllm, stdout, _ = both_engines
     assert vllm["engine"] == "vllm" and hf["engine"] == "hf"
     assert set(hf) - {"device", "endpoint"} <= set(vllm)   # the same report fields
-    assert vllm["lossless"] is True, [row.get("first_mismatch") for row in vllm["per_prompt"]]
+    assert vllm["lossless"] is True, [row.get("divergence") for row in vllm["per_prompt"]]
     assert [row["tokens"] for row in vllm["per_prompt"]] == [row["tokens"] for row in hf["per_prompt"]]
     assert vllm["speculative_tokens_per_s"] > 0 and vllm["greedy_tokens_per_s"] > 0
     assert "engine" in stdout and "accepted per position" in stdout
