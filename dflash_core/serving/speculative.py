@@ -240,7 +240,8 @@ def fp32_logits(target):
     logits. A bf16 logit is rounded to 2^-3 at magnitudes 16-32, so two candidates often round to one
     value, and which wins depends on how the verify block's and a decode step's GEMM shapes rounded the
     hidden states; an fp32 head product leaves only that rounding of the hidden states. It replaces the
-    head's forward (a hook would run the bf16 product too); a no-op for an fp32 head."""
+    head's forward (a hook would run the bf16 product too) and holds an fp32 copy of the head's weight;
+    a no-op for an fp32 head."""
     head = target.get_output_embeddings()
     if head.weight.dtype == torch.float32:
         yield
