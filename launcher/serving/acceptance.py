@@ -66,10 +66,10 @@ def tie_tolerance(dtype: str, magnitude: float) -> float:
 def divergence(prompt_ids, reference: list[int], tokens: list[int], measure) -> dict:
     """Where speculative `tokens` first leave plain greedy decoding's `reference`, and why: the plain
     run's token and the speculative run's there, and `measure(ids, plain_token, speculative_token)`,
-    the engine's reading of the plain target after `ids` (the prompt and the common prefix): at least
-    `margin` (plain logit of the plain token minus that of the speculative token; None, saying `why`,
-    when it cannot be read) and `tolerance` (tie_tolerance at their magnitude). The verdict is a
-    near-tie when the margin is within it."""
+    the engine's reading of the plain target after `ids` (the prompt and the common prefix), a dict
+    with `margin` (plain logit of the plain token minus that of the speculative token; None, saying
+    `why`, when it cannot be read) and `tolerance` (tie_tolerance at their magnitude), and maybe more.
+    The verdict is a near-tie when the margin is within the tolerance."""
     position = first_mismatch(reference, tokens)
     plain, speculative = (seq[position] if position < len(seq) else None for seq in (reference, tokens))
     record = {"position": position, "plain_token": plain, "speculative_token": speculative}
