@@ -246,7 +246,8 @@ def fp32_logits(target):
     if head.weight.dtype == torch.float32:
         yield
         return
-    weight, bias = head.weight.float(), None if head.bias is None else head.bias.float()
+    bias = getattr(head, "bias", None)
+    weight, bias = head.weight.float(), None if bias is None else bias.float()
     own = head.__dict__.get("forward")
     head.forward = lambda hidden: torch.nn.functional.linear(hidden.float(), weight, bias)
     try:
