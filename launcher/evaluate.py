@@ -24,7 +24,15 @@ from dflash_core.serving.model_card import (
 )
 from launcher.config import ConfigError, compose_config, require
 from launcher.resolve import compute_dtype, dataset_paths, ensure_embedded_target, resolve_device, target_dir
-from launcher.serving.acceptance import load_prompts, per_position_from_steps, prompt_row, summarize
+from launcher.serving.acceptance import (
+    NEAR_TIE,
+    NOT_A_TIE,
+    load_prompts,
+    per_position_from_steps,
+    prompt_row,
+    summarize,
+    tie_tolerance,
+)
 
 log = logging.getLogger("dflash")
 USAGE = """\
@@ -91,13 +99,40 @@ def check_output(ev: DictConfig) -> Path:
     return output
 
 
+def plain_margin(target):
+    """The HF engine's reading of a divergence (acceptance.divergence's `measure`): the plain target's
+    logits after the common prefix, once as the evaluation computes them (the target's dtype, fp32
+    logits) and once with the whole target in fp32, where no compute-dtype rounding is left: a margin
+    near zero there too is the model's own tie; a wide one there, tiny in the compute dtype, is rounding's
+    (None where the GPU cannot hold the target in fp32)."""
+    import torch
+
+    from dflash_core.serving.speculative import next_token_logits, upcast_to_fp32
+
+    dtype = next(target.parameters()).dtype
+
+    def measure(ids, plain, speculative) -> dict:
+        logits = fp32 = next_token_logits(target, ids)
+        if dtype != torch.float32:
+            try:
+                with upcast_to_fp32(target):
+                    fp32 = next_token_logits(target, ids)
+            except torch.OutOfMemoryError:   # a target over half the GPU's memory: its fp32 margin is not read
+                fp32 = None
+        magnitude = max(abs(float(logits[plain])), abs(float(logits[speculative])))
+        return {"margin": float(logits[plain] - logits[speculative]),
+                "margin_fp32": None if fp32 is None else float(fp32[plain] - fp32[speculative]),
+                "tolerance": tie_tolerance(str(dtype).removeprefix("torch."), magnitude)}
+    return measure
+
+
 def evaluate(cfg: DictConfig) -> dict:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from dflash_core.data import load_tokenizer
     from dflash_core.data.prompts import stop_token_ids
-    from dflash_core.serving.speculative import default_walk, greedy_decode, speculative_generate
+    from dflash_core.serving.speculative import default_walk, fp32_logits, greedy_decode, speculative_generate
     from dflash_core.target.capture import check_target_files
 
     ev = cfg.evaluate
@@ -122,26 +157,29 @@ def evaluate(cfg: DictConfig) -> dict:
     # the selector adds.
     walk = default_walk(drafter)
     per_prompt, unary_rows, spec_s, greedy_s = [], [], 0.0, 0.0
-    for ids in prompts:
-        started = time.perf_counter()
-        result = speculative_generate(target, drafter, ids, max_new_tokens=ev.max_new_tokens, eos_token_id=eos)
-        spec_s += time.perf_counter() - started
-        if walk != "unary":
-            unary = speculative_generate(target, drafter, ids, max_new_tokens=ev.max_new_tokens, eos_token_id=eos,
-                                         walk="unary")
-            unary_rows.append(prompt_row(ids, unary.tokens, len(unary.accepted),
-                                         per_position_from_steps(unary.accepted, block_size)))
-        reference = None
-        if ev.check_lossless:
+    measure = plain_margin(target)
+    with fp32_logits(target):   # verification and plain decoding both choose from fp32 logits
+        for ids in prompts:
             started = time.perf_counter()
-            reference = greedy_decode(target, ids, ev.max_new_tokens, eos_token_id=eos)
-            greedy_s += time.perf_counter() - started
-        row = prompt_row(ids, result.tokens, len(result.accepted),
-                         per_position_from_steps(result.accepted, block_size), reference)
-        per_prompt.append({**row, "accepted": result.accepted})
+            result = speculative_generate(target, drafter, ids, max_new_tokens=ev.max_new_tokens, eos_token_id=eos)
+            spec_s += time.perf_counter() - started
+            if walk != "unary":
+                unary = speculative_generate(target, drafter, ids, max_new_tokens=ev.max_new_tokens,
+                                             eos_token_id=eos, walk="unary")
+                unary_rows.append(prompt_row(ids, unary.tokens, len(unary.accepted),
+                                             per_position_from_steps(unary.accepted, block_size)))
+            reference = None
+            if ev.check_lossless:
+                started = time.perf_counter()
+                reference = greedy_decode(target, ids, ev.max_new_tokens, eos_token_id=eos)
+                greedy_s += time.perf_counter() - started
+            row = prompt_row(ids, result.tokens, len(result.accepted),
+                             per_position_from_steps(result.accepted, block_size), reference, measure)
+            per_prompt.append({**row, "accepted": result.accepted})
     summary = {"engine": "hf", "drafter": str(ev.drafter), "target": str(path), "device": str(device),
-               "dtype": str(dtype).removeprefix("torch."), "skipped": skipped, "max_new_tokens": ev.max_new_tokens,
-               "walk": walk, **summarize(per_prompt, block_size, speculative_s=spec_s, greedy_s=greedy_s)}
+               "dtype": str(dtype).removeprefix("torch."), "logits_dtype": "float32", "skipped": skipped,
+               "max_new_tokens": ev.max_new_tokens, "walk": walk,
+               **summarize(per_prompt, block_size, speculative_s=spec_s, greedy_s=greedy_s)}
     if unary_rows:
         unary = summarize(unary_rows, block_size, speculative_s=0.0, greedy_s=None)
         summary["unary_walk"] = {key: unary[key] for key in ("tau", "verify_steps", "per_position", "histogram",
@@ -162,12 +200,40 @@ def _rate(summary: dict, key: str) -> str:
     return "n/a" if summary[key] is None else f"{summary[key]:.1f} tokens/s"
 
 
+def real_differences(summary: dict) -> str | None:
+    """The prompts whose output differs from plain greedy decoding beyond a near-tie: speculation
+    changed the output, a bug. None when there are none."""
+    found = []
+    for i, row in enumerate(summary["per_prompt"]):
+        record = row.get("divergence", {})
+        if record.get("verdict") == NOT_A_TIE:
+            why = record.get("why") or f"margin {record['margin']:.3g} > tolerance {record['tolerance']:.3g}"
+            found.append(f"prompt {i} at generated token {record['position']} ({why})")
+    return "; ".join(found) or None
+
+
+def _lossless(summary: dict) -> str:
+    """e.g. NO (14/16 identical; 2 near-ties: margins 0.004, 0.01 at positions 37, 88; 0 real differences)."""
+    if summary["lossless"] is None:
+        return "not checked"
+    counts = summary["lossless_counts"]
+    identical = f"{counts['identical']}/{summary['prompts']} identical to plain greedy decoding"
+    if summary["lossless"]:
+        return f"yes ({identical})"
+    ties = [row["divergence"] for row in summary["per_prompt"]
+            if row.get("divergence", {}).get("verdict") == NEAR_TIE]
+    near = f"{counts['near_ties']} near-ties"
+    if ties:
+        margins = ", ".join(f"{tie['margin']:.3g}" for tie in ties)
+        near += f": margins {margins} at positions {', '.join(str(tie['position']) for tie in ties)}"
+    real = real_differences(summary)
+    warning = f" WARNING, speculation changed the output: {real}" if real else ""
+    return f"NO ({identical}; {near}; {counts['not_ties']} real differences){warning}"
+
+
 def format_table(summary: dict) -> str:
     tau = "n/a (no verify step)" if summary["tau"] is None else f"{summary['tau']:.3f}"
-    lossless = {None: "not checked", True: "yes", False: "NO"}[summary["lossless"]]
-    if summary["lossless"] is not None:
-        same = sum(row["lossless"] for row in summary["per_prompt"])
-        lossless += f" ({same}/{summary['prompts']} prompts identical to greedy decoding)"
+    lossless = _lossless(summary)
     rows = [
         ("engine", summary["engine"]),
         ("prompts", str(summary["prompts"])),
@@ -230,6 +296,9 @@ def run(overrides: list[str]) -> int:
     output.write_text(json.dumps(summary, indent=2) + "\n")
     print(format_table(summary))
     print(f"wrote {output}")
+    if real_differences(summary):
+        log.warning("speculative decoding changed the output beyond a near-tie of the plain run's logits, a bug: "
+                    "%s (each prompt's `divergence` in %s)", real_differences(summary), output)
     if (Path(ev.drafter) / CONFIG_NAME).is_file() and summary["tau"] is not None:   # an export: its card says it
         engine = summary["engine"]
         earlier = read_card_info(ev.drafter).get(acceptance_key(engine))

@@ -164,6 +164,39 @@ def test_evaluate_end_to_end(tmp_path, tiny_target_dir, drafter):
     assert "mean tau" in proc.stdout and "lossless" in proc.stdout
 
 
+def test_an_output_speculation_changed_is_named_a_real_difference(tmp_path, tiny_target_dir, drafter, monkeypatch,
+                                                                  capsys, caplog):
+    """Issue 44: plain decoding made to take its runner-up at generated token 1, so the speculative output
+    (the true greedy one) differs there beyond any rounding: the report names the position, both tokens
+    and the margin, the table and the log warn."""
+    import logging
+
+    from dflash_core.serving import speculative
+    from launcher.evaluate import run
+
+    greedy = speculative.greedy_decode
+
+    def runner_up_at_1(target, ids, max_new_tokens, **kwargs):
+        tokens = greedy(target, ids, max_new_tokens, **kwargs)
+        return [tokens[0], int(speculative.next_token_logits(target, [*ids, tokens[0]]).topk(2).indices[1])]
+    monkeypatch.setattr(speculative, "greedy_decode", runner_up_at_1)
+    export_drafter(drafter, tmp_path / "export")
+    out = tmp_path / "eval.json"
+    with caplog.at_level(logging.WARNING, logger="dflash"):
+        assert run([f"target.path={tiny_target_dir}", f"evaluate.drafter={tmp_path / 'export'}",
+                    "evaluate.num_prompts=1", "evaluate.max_new_tokens=8", "evaluate.device=cpu",
+                    f"evaluate.output={out}"]) == 0
+    summary = json.loads(out.read_text())
+    record = summary["per_prompt"][0]["divergence"]
+    tokens = summary["per_prompt"][0]["tokens"]
+    assert (record["position"], record["speculative_token"]) == (1, tokens[1]) and record["plain_token"] != tokens[1]
+    assert record["margin"] == record["margin_fp32"] < -record["tolerance"] and record["verdict"] == "not a tie"
+    assert summary["lossless_counts"] == {"identical": 0, "near_ties": 0, "not_ties": 1}
+    assert ("NO (0/1 identical to plain greedy decoding; 0 near-ties; 1 real differences) WARNING, speculation "
+            "changed the output: prompt 0 at generated token 1 (margin") in capsys.readouterr().out
+    assert "speculative decoding changed the output beyond a near-tie" in caplog.text
+
+
 # ----------------------------------------------------------------------------- DFlash 2: the walk vLLM drafts
 @pytest.fixture(scope="module")
 def dflash2_drafter(target_drafter_config):

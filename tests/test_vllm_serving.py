@@ -199,7 +199,7 @@ def test_served_evaluation_reports_what_the_hf_engine_does(both_engines, served_
     hf, vllm, stdout, _ = both_engines
     assert vllm["engine"] == "vllm" and hf["engine"] == "hf"
     assert set(hf) - {"device", "endpoint"} <= set(vllm)   # the same report fields
-    assert vllm["lossless"] is True, [row.get("first_mismatch") for row in vllm["per_prompt"]]
+    assert vllm["lossless"] is True, [row.get("divergence") for row in vllm["per_prompt"]]
     assert [row["tokens"] for row in vllm["per_prompt"]] == [row["tokens"] for row in hf["per_prompt"]]
     assert vllm["speculative_tokens_per_s"] > 0 and vllm["greedy_tokens_per_s"] > 0
     assert "engine" in stdout and "accepted per position" in stdout
@@ -228,6 +228,24 @@ def test_hf_and_vllm_agree_on_every_prompt_and_position(both_engines):
     draft position that diverged."""
     _, vllm, _, as_vllm = both_engines
     _assert_engines_agree(as_vllm, vllm)
+
+
+@pytest.mark.xdist_group("vllm")
+def test_a_divergence_read_on_the_plain_server_has_the_hf_targets_margin(served_qwen3):
+    """The served engine weighs a divergence with the plain server's top log-probabilities: their
+    difference is the logit margin the HF engine reads from the target itself."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash_core.serving.speculative import next_token_logits
+    from launcher.serving.openai_client import OpenAIClient
+    from launcher.serving.served_evaluate import served_margin
+
+    ids = served.evaluation_prompts(served_qwen3.target, 1)[0]
+    target = AutoModelForCausalLM.from_pretrained(served_qwen3.target, dtype=torch.float32).eval()
+    logits = next_token_logits(target, ids)
+    plain, runner_up = logits.topk(2).indices.tolist()
+    record = served_margin(OpenAIClient(served_qwen3.plain.url), "float32")(ids, plain, runner_up)
+    assert record["margin"] == pytest.approx(float(logits[plain] - logits[runner_up]), abs=1e-4)
 
 
 @pytest.mark.xdist_group("vllm")

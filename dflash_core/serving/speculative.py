@@ -233,6 +233,54 @@ def greedy_decode(target, input_ids, max_new_tokens: int, *, eos_token_id=None) 
     return tokens
 
 
+@contextlib.contextmanager
+def fp32_logits(target):
+    """Within it, the target's LM head computes fp32 logits from its final hidden states: plain greedy
+    decoding and speculative verification, both calling the target, then choose tokens alike from fp32
+    logits. A bf16 logit is rounded to 2^-3 at magnitudes 16-32, so two candidates often round to one
+    value, and which wins depends on how the verify block's and a decode step's GEMM shapes rounded the
+    hidden states; an fp32 head product leaves only that rounding of the hidden states. It replaces the
+    head's forward (a hook would run the bf16 product too) and holds an fp32 copy of the head's weight;
+    a no-op for an fp32 head."""
+    head = target.get_output_embeddings()
+    if head.weight.dtype == torch.float32:
+        yield
+        return
+    bias = getattr(head, "bias", None)
+    weight, bias = head.weight.float(), None if bias is None else bias.float()
+    own = head.__dict__.get("forward")
+    head.forward = lambda hidden: torch.nn.functional.linear(hidden.float(), weight, bias)
+    try:
+        yield
+    finally:
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own
+
+
+@contextlib.contextmanager
+def upcast_to_fp32(model):
+    """Within it, every floating parameter and buffer of `model` is fp32; each gets its own dtype back
+    after, exactly (bf16 and fp16 values are fp32 values). The model needs twice a bf16 copy's memory
+    meanwhile, not a second copy's."""
+    own = {id(t): (t, t.dtype) for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()}
+    for tensor, _ in own.values():
+        tensor.data = tensor.data.float()
+    try:
+        yield model
+    finally:
+        for tensor, dtype in own.values():
+            tensor.data = tensor.data.to(dtype)
+
+
+@torch.inference_mode()
+def next_token_logits(target, ids) -> torch.Tensor:
+    """The target's logits for the token after `ids` ([S]), one forward without a cache, as fp32 values."""
+    out = target(input_ids=_prompt_row(target, ids), use_cache=False, logits_to_keep=1)
+    return out.logits[0, -1].float()
+
+
 def pair_mismatches(drafter_config, target_config) -> list[str]:
     """Why a drafter cannot read this target, one reason per fact (empty when it can): hidden size,
     layers and layer ids, vocabulary. target_config: the target's HF config (a composite one's text

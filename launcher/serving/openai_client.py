@@ -114,18 +114,32 @@ class OpenAIClient:
         return self._request("/v1/chat/completions", {"model": self.model, **payload},
                              read=lambda text: _completion(text, "message"))
 
+    def _complete(self, prompt_ids: list[int], max_tokens: int, settings: dict) -> dict:
+        """The first choice of a greedy completion of token ids (POST /v1/completions) with `settings`."""
+        payload = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": 0.0,
+                   **settings}
+        return self._request("/v1/completions", payload, read=_completion)["choices"][0]
+
     def complete_ids(self, prompt_ids: list[int], *, max_tokens: int, stop_token_ids: list[int],
                      sampling: dict | None = None) -> list[int]:
-        """Completion of token ids (POST /v1/completions), greedy unless `sampling` gives its settings
-        (temperature, top_p, seed, ...) -> the generated ids (the stop token included, as HF's
-        decoding keeps its eos)."""
-        payload = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": 0.0,
-                   "stop_token_ids": list(stop_token_ids), "include_stop_str_in_output": True,
-                   "skip_special_tokens": False, "return_token_ids": True, **(sampling or {})}
-        choice = self._request("/v1/completions", payload, read=_completion)["choices"][0]
+        """Completion of token ids, greedy unless `sampling` gives its settings (temperature, top_p,
+        seed, ...) -> the generated ids (the stop token included, as HF's decoding keeps its eos)."""
+        choice = self._complete(prompt_ids, max_tokens, {
+            "stop_token_ids": list(stop_token_ids), "include_stop_str_in_output": True, "skip_special_tokens": False,
+            "return_token_ids": True, **(sampling or {})})
         if choice.get("token_ids") is None:
             raise ServerError(f"{self.url} returned no token_ids: a vLLM without `return_token_ids` (use >= 0.10.2)")
         return list(choice["token_ids"])
+
+    def next_token_logprobs(self, prompt_ids: list[int], count: int) -> dict[int, float]:
+        """{token id: log-probability} of the `count` likeliest tokens after `prompt_ids` (vLLM serves at
+        most 20 unless started with a larger --max-logprobs); vLLM's `return_tokens_as_token_ids` names
+        them by id, as text would confuse two ids of one spelling."""
+        choice = self._complete(prompt_ids, 1, {"logprobs": count, "return_tokens_as_token_ids": True})
+        top = (choice.get("logprobs") or {}).get("top_logprobs") or [None]
+        if not top[0]:
+            raise ServerError(f"{self.url} returned no top_logprobs for a completion asking logprobs={count}")
+        return {int(token.removeprefix("token_id:")): logprob for token, logprob in top[0].items()}
 
     def tokenize(self, text: str) -> list[int] | None:
         """The ids the server's tokenizer gives `text`, no special tokens added (vLLM's POST /tokenize,

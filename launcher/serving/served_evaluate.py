@@ -21,7 +21,7 @@ from dflash_core.drafter.dflash2 import DFlash2Config
 from dflash_core.serving.export import CONFIG_NAME, WEIGHTS_NAME, check_export
 from launcher.config import ConfigError
 from launcher.evaluate import check_fits_target
-from launcher.serving.acceptance import prompt_row, summarize
+from launcher.serving.acceptance import prompt_row, summarize, tie_tolerance
 from launcher.serving.endpoint_check import check_serves_drafter, check_serves_target
 from launcher.serving.openai_client import OpenAIClient, ServerError
 from launcher.serving.vllm_server import ServerExited, VllmServer, parse_spec_counters
@@ -106,12 +106,33 @@ def decode_speculative(client: OpenAIClient, prompts, *, max_tokens: int, stop: 
     return results, seconds
 
 
-def ngram_row(ids, tokens, proposed: int, per_position: list[int], reference) -> dict:
+def ngram_row(ids, tokens, proposed: int, per_position: list[int], reference, measure=None) -> dict:
     """One prompt's report under n-gram speculation. vLLM counts a draft only at steps whose n-gram
     was found, so its `drafts` are not the target's verify steps; those are every decode step: the
     prefill gives the first token, each later forward one token plus the drafts it accepted."""
     steps = max(len(tokens) - 1 - sum(per_position), proposed)
-    return {**prompt_row(ids, tokens, steps, per_position, reference), "proposed_drafts": proposed}
+    return {**prompt_row(ids, tokens, steps, per_position, reference, measure), "proposed_drafts": proposed}
+
+
+# vLLM returns log-probabilities: their difference is the logits' margin (the log-sum-exp cancels), but
+# not the logits' magnitude, which sets their rounding. The tolerance is read at a top logit of 32: a
+# larger one rounds coarser, so a near-tie there may read as not a tie (its margin is in the report).
+SERVED_LOGIT_MAGNITUDE = 32.0
+TOP_LOGPROBS = 20   # vLLM's default --max-logprobs
+
+
+def served_margin(client: OpenAIClient, dtype: str):
+    """The served engine's reading of a divergence (acceptance.divergence's `measure`): the plain
+    server's top log-probabilities after the common prefix, in the served dtype."""
+    tolerance = tie_tolerance(dtype, SERVED_LOGIT_MAGNITUDE)
+
+    def measure(ids, plain, speculative) -> dict:
+        logprobs = client.next_token_logprobs(ids, TOP_LOGPROBS)
+        if plain not in logprobs or speculative not in logprobs:
+            return {"margin": None, "tolerance": tolerance,
+                    "why": f"the two tokens are not both among the plain server's top {TOP_LOGPROBS}"}
+        return {"margin": logprobs[plain] - logprobs[speculative], "tolerance": tolerance}
+    return measure
 
 
 def decode_plain(client: OpenAIClient, prompts, *, max_tokens: int, stop: list[int]):
@@ -171,24 +192,30 @@ def evaluate_served(cfg: DictConfig) -> dict:
                           f"{ev.drafter}: \"{exc.refusal}\" ({DFLASH2_REFUSAL_REASON}); measure it with "
                           f"evaluate.engine=hf, which decodes with the walk vLLM drafts, or serve it with a vLLM "
                           f"build whose V2 model runner runs (on a GPU)") from None
-    references, greedy_s = [None] * len(prompts), None
-    if ev.check_lossless:
-        with _client(plain, path, None, ev, dtype, max_model_len) as client:
+    ngram = ngram_config(ev, block_size) if "ngram" in ev.baselines else None
+    if ngram:
+        with _client(None, path, ngram, ev, dtype, max_model_len) as client:
+            ngram_outputs, ngram_s = decode_speculative(client, prompts, max_tokens=ev.max_new_tokens, stop=stop)
+    # Plain decoding last: every divergence from it is read on its server.
+    references, greedy_s, measure = [None] * len(prompts), None, None
+    with contextlib.ExitStack() as stack:
+        if ev.check_lossless:
+            client = stack.enter_context(_client(plain, path, None, ev, dtype, max_model_len))
             references, greedy_s = decode_plain(client, prompts, max_tokens=ev.max_new_tokens, stop=stop)
-    per_prompt = [prompt_row(ids, tokens, drafts, per_position, reference)
-                  for ids, (tokens, drafts, per_position), reference in zip(prompts, speculative, references)]
-    baselines = {}
-    if "ngram" in ev.baselines:
-        config = ngram_config(ev, block_size)
-        with _client(None, path, config, ev, dtype, max_model_len) as client:
-            decoded, ngram_s = decode_speculative(client, prompts, max_tokens=ev.max_new_tokens, stop=stop)
-        rows = [ngram_row(ids, tokens, proposed, per_position, reference)
-                for ids, (tokens, proposed, per_position), reference in zip(prompts, decoded, references)]
-        baselines["ngram"] = {"speculative_config": config, "proposed_drafts": sum(r["proposed_drafts"] for r in rows),
-                              **summarize(rows, config["num_speculative_tokens"] + 1, speculative_s=ngram_s,
-                                          greedy_s=greedy_s)}
+            measure = served_margin(client, dtype)
+        per_prompt = [prompt_row(ids, tokens, drafts, per_position, reference, measure)
+                      for ids, (tokens, drafts, per_position), reference in zip(prompts, speculative, references)]
+        baselines = {}
+        if ngram:
+            rows = [ngram_row(ids, tokens, proposed, per_position, reference, measure)
+                    for ids, (tokens, proposed, per_position), reference in zip(prompts, ngram_outputs, references)]
+            baselines["ngram"] = {"speculative_config": ngram,
+                                  "proposed_drafts": sum(r["proposed_drafts"] for r in rows),
+                                  **summarize(rows, ngram["num_speculative_tokens"] + 1, speculative_s=ngram_s,
+                                              greedy_s=greedy_s)}
     return {"engine": "vllm", "endpoint": ev.endpoint or "started here", "drafter": str(ev.drafter),
             "drafter_checked": drafter_checked, "target": str(path), "device": "vllm", "dtype": dtype,
+            "logits_dtype": dtype,   # vLLM's head computes in the served dtype; its sampler upcasts after
             "skipped": skipped, "max_new_tokens": ev.max_new_tokens,
             "walk": "selector" if dflash2 else "unary",   # how vLLM 0.32 drafts each kind
             **summarize(per_prompt, block_size, speculative_s=spec_s, greedy_s=greedy_s),
