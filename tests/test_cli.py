@@ -24,7 +24,7 @@ def test_help_lists_groups_keys_defaults_and_usage(config_name, capsys):
     for spec in schema.ROOTS[config_name].__dataclass_fields__.values():
         assert f"  {spec.name}" in text or f"  {spec.name}." in text
     if config_name == "config":
-        assert "  drafter: dflash5, tiny" in text and "optim.lr=0.0006  (float) [gt 0, le 1]" in text
+        assert "  drafter: dflash2, dflash5, tiny" in text and "optim.lr=0.0006  (float) [gt 0, le 1]" in text
 
 
 @pytest.mark.parametrize("which", ["job", "all"])

@@ -1,7 +1,8 @@
 """The recipes (conf/recipe/<name>.yaml): each composes into a complete, valid config without any
 weights present, says where each of its values comes from, fits its real target's shape, and trains
 end to end on the tiny stand-in target of its family with the recipe's settings wherever the tiny
-shape allows them."""
+shape allows them. Each has a DFlash 2 variant (<name>_dflash2.yaml): the recipe with the published
+DFlash 2 drafter (conf/drafter/dflash2.yaml) merged over it."""
 import json
 import math
 import re
@@ -12,12 +13,13 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf
 
+from dflash_core.drafter.dflash2 import DFlash2Config
 from dflash_core.target.families import drafter_config_for_target
 from dflash_core.target.shapes import SHAPES, config_from_shape
 from launcher import config
 from launcher.cli import parse_flags
 from launcher.config import ConfigError, compose_config
-from launcher.resolve import target_layer_ids
+from launcher.resolve import drafter_config, target_layer_ids
 from tests.conftest import _build_tiny_target
 from tests.launching import REPO, torchrun
 
@@ -28,6 +30,10 @@ RECIPES = {"qwen3_8b": ("qwen3", "qwen3-8b"), "qwen3_6_27b": ("qwen3_5", None),
            "gpt_oss_20b": ("gpt_oss", None)}
 # Recipes sized for CPU machines (make train TARGET=...): -> (family, real shape), as above.
 CPU_RECIPES = {"smollm2_135m": ("llama", "smollm2-135m")}
+# DFlash 2 variant -> the recipe it varies.
+DFLASH2_RECIPES = {f"{name}_dflash2": name for name in [*RECIPES, *CPU_RECIPES]}
+DFLASH2_DRAFTER = REPO / "conf" / "drafter" / "dflash2.yaml"
+ALL_RECIPES = [*RECIPES, *CPU_RECIPES, *DFLASH2_RECIPES]
 # What a value's comment must name: the published recipe it follows, this project's measurement, the
 # target's own shape or the DFlash spec's rule, or that it is an estimate (or, for paths, that the user sets it).
 SOURCES = re.compile(r"\[z-lab\]|\[SpecForge\]|\[perf\]|\[target\]|\[spec\]|estimate|set yours")
@@ -39,7 +45,7 @@ def _recipe(name: str):
 
 
 def test_every_recipe_file_is_listed():
-    assert {path.stem for path in RECIPE_DIR.glob("*.yaml")} == set(RECIPES) | set(CPU_RECIPES)
+    assert {path.stem for path in RECIPE_DIR.glob("*.yaml")} == set(ALL_RECIPES)
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -55,15 +61,28 @@ def test_cfg_job_prints_a_complete_config(name, capsys):
     assert printed.drafter.block_size == 16 and printed.data.packing is True
 
 
-@pytest.mark.parametrize("name", [*RECIPES, *CPU_RECIPES])
+def _unsourced(text: str, value: str) -> list[str]:
+    """The lines setting a value (matching `value`) that name no source, neither in their own comment nor in
+    the comment block just above them (as the estimates of steps and topology explain themselves)."""
+    unsourced, above = [], ""
+    for line in text.splitlines():
+        if line.lstrip().startswith("#"):
+            above += line
+            continue
+        if re.match(value, line) and not SOURCES.search(line + above):
+            unsourced.append(line)
+        above = ""
+    return unsourced
+
+
+@pytest.mark.parametrize("name", ALL_RECIPES)
 def test_every_value_says_where_it_comes_from(name):
     body = (RECIPE_DIR / f"{name}.yaml").read_text().split("_self_", 1)[1]
-    values = [line for line in body.splitlines() if re.match(r"\s+\w+: \S", line)]
-    assert values
-    unsourced = [line for line in values if not SOURCES.search(line)]
-    # A value whose source is given in the comment block just above it (the estimates of steps, topology).
-    explained = [line for line in unsourced if line.strip().startswith(("steps:", "topology:"))]
-    assert unsourced == explained, unsourced
+    assert _unsourced(body, r"\s+\w+: \S") == []
+
+
+def test_every_published_dflash2_value_says_where_it_comes_from():
+    assert _unsourced(DFLASH2_DRAFTER.read_text(), r"\w+: \S") == []
 
 
 def test_a_recipe_value_of_the_wrong_type_names_the_key_value_type_and_file(tmp_path, monkeypatch):
@@ -80,7 +99,7 @@ def test_a_recipe_value_of_the_wrong_type_names_the_key_value_type_and_file(tmp_
 
 def test_an_unknown_recipe_lists_the_recipes_that_exist():
     with pytest.raises(ConfigError, match=rf"^recipe='qwen3_9b': there is no {RECIPE_DIR}/qwen3_9b.yaml; the recipe "
-                                          rf"options are: {', '.join(sorted({**RECIPES, **CPU_RECIPES}))}$"):
+                                          rf"options are: {', '.join(sorted(ALL_RECIPES))}$"):
         compose_config(["recipe=qwen3_9b"])
 
 
@@ -110,6 +129,37 @@ def test_recipe_layer_ids_are_the_published_ones_on_their_target(name, layers, p
     cfg = _recipe(name)
     assert target_layer_ids(cfg, SimpleNamespace(num_hidden_layers=layers)) == published
     assert cfg.drafter.target_layer_ids is None or name == "qwen3_5_35b_a3b"
+
+
+@pytest.mark.parametrize("name,dflash", DFLASH2_RECIPES.items())
+def test_dflash2_variant_is_its_recipe_with_the_published_dflash2_drafter(name, dflash):
+    """The published DFlash 2 values (z-lab's checkpoint, SpecForge's drafter) reach every variant but where
+    the variant's own file sets a per-target one; all else is the DFlash recipe's."""
+    variant, recipe = _recipe(name), _recipe(dflash)
+    published = OmegaConf.load(DFLASH2_DRAFTER)
+    own = OmegaConf.load(RECIPE_DIR / f"{name}.yaml").get("drafter", {})
+    assert variant.recipe == name and variant.drafter.kind == "dflash2"
+    assert (variant.drafter.conv_group_size, variant.drafter.conv_kernel_size, variant.drafter.selector_rank,
+            variant.drafter.selector_top_k) == (16, 2, 256, 16)
+    assert len(variant.drafter.layer_types) == variant.drafter.num_layers
+    for key, value in published.items():
+        assert variant.drafter[key] == own.get(key, value), key
+    changed = {key for key in recipe.drafter if variant.drafter[key] != recipe.drafter[key]}
+    assert changed <= set(published) | set(own), changed
+    for section in ("topology", "target", "data", "optim", "train", "run"):
+        assert variant[section] == recipe[section], section
+
+
+@pytest.mark.parametrize("name", [name for name, dflash in DFLASH2_RECIPES.items()
+                                  if {**RECIPES, **CPU_RECIPES}[dflash][1]])
+def test_dflash2_variant_builds_on_its_real_target_shape(name):
+    """DFlash2Config's checks at the real width and vocabulary: the convolution groups divide the hidden size,
+    the taps fit the block, the top-K the vocabulary, one layer type per layer."""
+    shape = {**RECIPES, **CPU_RECIPES}[DFLASH2_RECIPES[name]][1]
+    auto = _recipe(name).drafter.mask_token_id == "auto"
+    cfg = compose_config([f"recipe={name}", *([f"drafter.mask_token_id={SHAPES[shape].mask_token_id}"] * auto)])
+    drafter = drafter_config(cfg, config_from_shape(shape))
+    assert isinstance(drafter, DFlash2Config) and drafter.layer_types == list(cfg.drafter.layer_types)
 
 
 def test_cpu_recipe_fits_its_target_and_two_cpu_processes():
@@ -146,7 +196,7 @@ def _stand_in_overrides(name: str, target_dir: Path, tmp_path: Path) -> list[str
     """The recipe on its family's tiny target: only what the tiny shape cannot hold is replaced (the
     layer ids of a 36-64 layer target, the mask id of its vocabulary, lengths beyond its positions, the
     anchors and FFN width of an 8B drafter), plus a few steps on one drafter."""
-    family = {**RECIPES, **CPU_RECIPES}[name][0]
+    family = {**RECIPES, **CPU_RECIPES}[DFLASH2_RECIPES.get(name, name)][0]
     overrides = [f"recipe={name}", f"target={'tiny' if family == 'qwen3' else f'tiny_{family}'}",
                  f"target.path={target_dir}", "drafter.target_layer_ids=[0,2]", "drafter.mask_token_id=auto",
                  "drafter.num_anchors=32", f"data.max_length={TINY_LENGTH}", f"data.fixed_length={TINY_LENGTH}",
@@ -159,9 +209,9 @@ def _stand_in_overrides(name: str, target_dir: Path, tmp_path: Path) -> list[str
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", [*RECIPES, *CPU_RECIPES])
+@pytest.mark.parametrize("name", ALL_RECIPES)
 def test_recipe_trains_on_its_family_stand_in(name, tiny_target_dir, tmp_path):
-    family = {**RECIPES, **CPU_RECIPES}[name][0]
+    family = {**RECIPES, **CPU_RECIPES}[DFLASH2_RECIPES.get(name, name)][0]
     target_dir = tiny_target_dir if family == "qwen3" else _build_tiny_target(family)
     overrides = _stand_in_overrides(name, target_dir, tmp_path)
     proc = torchrun(2, *overrides)
@@ -173,10 +223,14 @@ def test_recipe_trains_on_its_family_stand_in(name, tiny_target_dir, tmp_path):
     recipe = _recipe(name)
     kept = ("drafter.num_layers", "drafter.block_size", "drafter.gamma", "drafter.layer_types",
             "drafter.sliding_window", "data.packing", "data.chat_template_kwargs", "optim.lr", "optim.schedule",
-            "optim.warmup_fraction", "optim.grad_clip", "train.micro_batch_size")
+            "optim.warmup_fraction", "optim.grad_clip", "train.micro_batch_size", "drafter.kind",
+            *(f"drafter.{key}" for key in OmegaConf.load(DFLASH2_DRAFTER)))
     for key in kept:
         assert OmegaConf.select(trained, key) == OmegaConf.select(recipe, key), key
     exported = json.loads((run_dir / "export" / "config.json").read_text())
     assert exported["num_hidden_layers"] == recipe.drafter.num_layers
     assert exported["dflash_config"]["block_size"] == recipe.drafter.block_size
     assert exported["layer_types"] == list(recipe.drafter.layer_types or ["full_attention"] * recipe.drafter.num_layers)
+    if recipe.drafter.kind == "dflash2":
+        assert exported["architectures"] == ["DFlash2DraftModel"]
+        assert exported["dflash_config"]["selector_top_k"] == recipe.drafter.selector_top_k
