@@ -1,12 +1,21 @@
 """DFlash 2: its config, the block convolution against a slot-by-slot reference, the selector's
-lattice and walks, and identity with the DFlash drafter it is built on."""
+lattice and walks, its segmented top-K and codebook gradient, and identity with the DFlash drafter it is built
+on."""
 
 import pytest
 import torch
 
 from dflash_core.drafter.dflash2 import DFlash2Config, DFlash2Drafter, block_convolution, build_drafter
 from dflash_core.drafter.model import DFlashDrafter
-from dflash_core.drafter.selector import CandidateSelector, greedy_walk, unary_candidates, unary_logits, unary_walk
+from dflash_core.drafter.selector import (
+    CandidateSelector,
+    CodebookRows,
+    greedy_walk,
+    segmented_topk,
+    unary_candidates,
+    unary_logits,
+    unary_walk,
+)
 from dflash_core.loss.frozen_head import FrozenTargetHead
 from tests.drafters import SMALL, drafter_config
 
@@ -102,6 +111,53 @@ def test_unary_logits_scale_then_cap_and_keep_the_top_k():
     assert torch.equal(unary_logits(logits), logits)
 
 
+def test_the_segmented_top_k_is_torch_topk():
+    """Distinct values (fp32 draws): the values and ids of torch.topk, leading dimensions kept, whether the top
+    entries share a segment or not."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 5, 1024, generator=gen)
+    logits[0, 0, 200:216] += 10.0   # one segment of 16 holds the whole top-16
+    for width in (16, 64):
+        values, ids = segmented_topk(logits, 16, width)
+        want = logits.topk(16, dim=-1)
+        assert torch.equal(values, want.values) and torch.equal(ids, want.indices), width
+
+
+def test_the_segmented_top_k_at_ties_keeps_topks_values_and_distinct_ids_that_hold_them():
+    """At a tie across the k-th place the ids may differ from torch.topk's (neither promises which tied entries
+    stay); the values are its, the ids distinct and holding them, and every entry above the tie is kept."""
+    gen = torch.Generator().manual_seed(4)
+    rows = torch.randint(-3, 4, (6, 512), generator=gen).float()   # a few values, each many times
+    rows[1] = 0.0                                                   # all tied
+    rows[2, 300] = rows[2, 17] = 9.0                                # a tie above the k-th place
+    values, ids = segmented_topk(rows, 8, 32)
+    want = rows.topk(8, dim=-1).values
+    assert torch.equal(values, want)
+    assert torch.equal(rows.gather(1, ids), values)
+    assert all(len(set(row)) == 8 for row in ids.tolist())
+    for row, kept, kth in zip(rows, ids, want[:, -1]):
+        assert set((row > kth).nonzero().flatten().tolist()) <= set(kept.tolist())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_codebook_rows_gather_as_indexing_does_and_sum_repeated_ids_into_the_gradient(dtype):
+    """CodebookRows against advanced indexing: the rows, and the gradient with ids repeated many times. bf16
+    gradients are summed in fp32 and rounded once: indexing's in fp32, rounded (not its bf16 sums)."""
+    gen = torch.Generator().manual_seed(6)
+    codebook = torch.randn(30, 6, generator=gen).to(dtype).requires_grad_()
+    ids = torch.randint(0, 8, (4, 5, 3), generator=gen)   # 60 ids over 8 of the 30 rows
+    upstream = torch.randn(4, 5, 3, 6, generator=gen).to(dtype)
+    rows = CodebookRows.apply(codebook, ids)
+    assert torch.equal(rows, codebook[ids])
+    grad, = torch.autograd.grad(rows, codebook, upstream)
+    sums = torch.promote_types(dtype, torch.float32)
+    reference = codebook.detach().to(sums).requires_grad_()
+    want, = torch.autograd.grad(reference[ids], reference, upstream.to(sums))
+    assert grad.dtype == dtype
+    torch.testing.assert_close(grad, want.to(dtype), **(dict(rtol=0, atol=0) if dtype == torch.bfloat16 else {}))
+    assert grad[8:].abs().sum() == 0
+
+
 def test_pair_scores_are_the_unary_plus_the_low_rank_pair_term():
     gen = torch.Generator().manual_seed(2)
     selector = CandidateSelector(hidden_size=8, vocab_size=30, rank=3, top_k=4)
@@ -109,7 +165,8 @@ def test_pair_scores_are_the_unary_plus_the_low_rank_pair_term():
         for p in selector.parameters():
             p.copy_(torch.randn(p.shape, generator=gen))
     ids = torch.randint(0, 30, (2, 3, 4), generator=gen)
-    unary, hidden, anchors = torch.randn(2, 3, 4, generator=gen), torch.randn(2, 3, 8, generator=gen), torch.tensor([7, 9])
+    unary, hidden = torch.randn(2, 3, 4, generator=gen), torch.randn(2, 3, 8, generator=gen)
+    anchors = torch.tensor([7, 9])
     with torch.no_grad():
         scores = selector.pair_scores(ids, unary, hidden, anchors)
         projected = selector.hidden_projection(hidden)

@@ -14,6 +14,10 @@ the best candidate after the anchor, then at each slot the best successor of the
 Unary logits are the head's logits times `output_multiplier`, then soft-capped
 (cap * tanh(x / cap)) by `final_logit_softcapping`: the order vLLM's candidate path applies them
 (LogitsProcessor.get_top_k_tokens). Both are monotonic, so the top-K is the raw logits' top-K.
+
+Two pieces exist for speed at full vocabularies (issue 43; figures in docs/perf_notes.md): `top_candidates`
+takes the top-K on CUDA without a radix select over every entry, and `CodebookRows` gathers codebook
+rows with a backward that adds into the gradient by atomics instead of sorting the ids.
 """
 
 import torch
@@ -28,11 +32,84 @@ def unary_logits(logits, output_multiplier=1.0, softcap=None):
     return logits
 
 
+# Entries per segment of `segmented_topk`: a power of two divides the common vocabularies (Qwen3's 151,936,
+# Llama 3's 128,256, gpt-oss's 201,088, Qwen3.5's 248,320 are multiples of 128). scripts/selector_bench.py
+# times it against other widths and torch.topk.
+CANDIDATE_SEGMENT_WIDTH = 128
+
+
+def segmented_topk(logits, k, width):
+    """logits [..., V], V a multiple of `width` with at least k segments -> (values, ids) [..., k]: the
+    values of logits.topk(k, dim=-1) exactly, best first, and ids holding them.
+
+    The row is cut into V / width segments of `width` entries. Every top-k entry lies in one of the k
+    segments with the largest maxima: a segment outside those has k segments above it, each holding an entry
+    at least as large. So one max per segment (a bandwidth-bound read), a top-k over those maxima, and a
+    top-k over the k chosen segments' k x width entries give the row's top-k, where torch's radix select
+    passes over all V entries several times.
+
+    The ids are topk's wherever the k-th value is not tied with an entry left out (each is then the one entry
+    holding its value's rank). At such a tie both keep some of the tied entries, each by its top-k's rule; the
+    chosen segments are laid out in index order, so where the inner top-ks keep the lowest indices among ties
+    (CUDA's radix select does), this keeps the lowest too, as torch.topk on CUDA does. Equal values come in
+    no promised order, as in torch.topk."""
+    segments = logits.unflatten(-1, (logits.shape[-1] // width, width))
+    chosen = segments.amax(-1).topk(k, dim=-1).indices.sort(dim=-1).values
+    entries = segments.gather(-2, chosen.unsqueeze(-1).expand(*chosen.shape, width)).flatten(-2)
+    values, positions = entries.topk(k, dim=-1)
+    return values, chosen.gather(-1, positions // width) * width + positions % width
+
+
+def top_candidates(logits, k):
+    """(values, ids) of logits.topk(k, dim=-1): on CUDA by `segmented_topk` (its contract) where the vocabulary
+    splits into at least k segments of CANDIDATE_SEGMENT_WIDTH entries, else by torch.topk. Another vocabulary
+    keeps torch.topk rather than padding: a padded copy of the logits would cost much of what the segments
+    save. The CPU keeps torch.topk: there the segments were faster on one thread but slower on two busy ones
+    (docs/perf_notes.md), and its ties stay what the CPU tests read."""
+    vocab = logits.shape[-1]
+    if logits.is_cuda and vocab % CANDIDATE_SEGMENT_WIDTH == 0 and vocab // CANDIDATE_SEGMENT_WIDTH >= k:
+        return segmented_topk(logits, k, CANDIDATE_SEGMENT_WIDTH)
+    return tuple(logits.topk(k, dim=-1))
+
+
 def unary_candidates(logits, top_k, output_multiplier=1.0, softcap=None):
     """The head's logits [..., V] -> (candidate ids [..., K], their unary logits [..., K] fp32),
     best first."""
-    values, ids = logits.topk(top_k, dim=-1)
+    values, ids = top_candidates(logits, top_k)
     return ids, unary_logits(values, output_multiplier, softcap)
+
+
+class CodebookRows(torch.autograd.Function):
+    """codebook [vocab, rank], ids [...] -> codebook[ids] [..., rank], with a backward that adds the rows'
+    gradients into a zero [vocab, rank] one by `index_add_`.
+
+    Indexing's own backward (index_put_ with accumulate) on CUDA sorts the ids, then sums each row's
+    duplicates in order, one warp per distinct row; the selector's ids repeat a lot (frequent tokens are the
+    candidates of many slots), so a few long runs are summed one row after another. `index_add_` adds by
+    atomics instead, so the order of a duplicated row's sum varies from run to run on CUDA; on the CPU it is
+    fixed (the ids' order). Under torch.use_deterministic_algorithms (which this project never turns
+    on) torch itself runs `index_add_` on CUDA as index_put_ with accumulate, the deterministic sort again.
+    The sums are taken in fp32 at least, as indexing's CUDA backward takes them, and cast once: the trainer's
+    codebooks compute in bf16 on a GPU.
+
+    The gradient stays a dense [vocab, rank] tensor (zero but for the rows read), and the optimiser
+    (launcher/distributed/sharded_adamw.py) updates every row: that AdamW pass over 2 x vocab x rank values
+    is one bandwidth-bound read and write, far cheaper than the sort it replaces, so a sparse update would
+    save little."""
+
+    @staticmethod
+    def forward(ctx, codebook, ids):
+        ctx.save_for_backward(ids)
+        ctx.codebook_shape = codebook.shape
+        return codebook.index_select(0, ids.reshape(-1)).view(*ids.shape, codebook.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        ids, = ctx.saved_tensors
+        sum_dtype = torch.promote_types(grad_rows.dtype, torch.float32)
+        grad = grad_rows.new_zeros(ctx.codebook_shape, dtype=sum_dtype)
+        grad.index_add_(0, ids.reshape(-1), grad_rows.reshape(-1, grad.shape[1]).to(sum_dtype))
+        return grad.to(grad_rows.dtype), None
 
 
 class CandidateSelector(nn.Module):
@@ -56,9 +133,10 @@ class CandidateSelector(nn.Module):
         """predecessor_ids [..., P], candidate_ids and their unary logits [..., C], hidden [..., H]
         (the slots' final-normed states) -> [..., P, C] fp32, [..., p, c] = S(predecessor p, candidate c).
         The codebooks' gradients are dense [vocab, rank] tensors of which only the rows read here are
-        nonzero (what indexing's backward gives)."""
-        query = self.predecessor_codebook[predecessor_ids] * self.hidden_projection(hidden).unsqueeze(-2)
-        pair = query @ self.successor_codebook[candidate_ids].transpose(-1, -2)
+        nonzero (CodebookRows)."""
+        predecessors = CodebookRows.apply(self.predecessor_codebook, predecessor_ids)
+        successors = CodebookRows.apply(self.successor_codebook, candidate_ids)
+        pair = (predecessors * self.hidden_projection(hidden).unsqueeze(-2)) @ successors.transpose(-1, -2)
         return unary.unsqueeze(-2).float() + pair.float()
 
     def pair_scores(self, candidate_ids, unary, hidden, anchor_ids):

@@ -18,6 +18,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..drafter.compile import compiled_function
+from ..drafter.selector import top_candidates
 from ..kernels.fp8 import ALIGNMENT, quantise_rows
 
 LOSS_TYPES = ("dflash", "dpace")
@@ -102,7 +103,7 @@ class HeadLoss(NamedTuple):
 
 def _candidates(logits, flat_labels, top_k):
     """A chunk's logits [rows, V] -> (logits [rows, K + 1] of its top-K then of the label, their ids)."""
-    values, ids = logits.topk(top_k, dim=-1)
+    values, ids = top_candidates(logits, top_k)
     label = flat_labels.unsqueeze(1)
     return torch.cat([values, logits.gather(1, label)], dim=1), torch.cat([ids, label], dim=1)
 
