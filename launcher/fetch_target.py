@@ -12,7 +12,6 @@ from) inside; a complete one is kept, so the step costs nothing the second time.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import json
 import logging
@@ -23,6 +22,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from dflash_core.data.records import file_digest
 from dflash_core.files.durable import fsync_path, temporary_sibling
 from launcher.config import ConfigError, compose_config
 from launcher.packages import Package, ensure, package_file
@@ -75,14 +75,6 @@ def complete(out: Path, stamp: dict) -> bool:
 
 
 # ----------------------------------------------------------------------------- conversion
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def convert(gguf: Path, out: Path, dtype: str) -> None:
     """The GGUF file as a Hugging Face directory at `out` (which must not exist): its weights
     dequantised to `dtype`, its tokenizer (with the chat template) and generation config."""
@@ -118,7 +110,7 @@ def build(cfg: DictConfig) -> Path:
         log.info("converting %s to %s (%s)", gguf, out, cfg.fetch.dtype)
         convert(gguf, staging, cfg.fetch.dtype)
         record = {**stamp, "version": importlib.metadata.version(model.package.name),
-                  "sha256": sha256(gguf), "source": asdict(model)}
+                  "sha256": file_digest(gguf), "source": asdict(model)}
         (staging / STAMP).write_text(json.dumps(record, indent=2) + "\n")
         for file in staging.iterdir():
             fsync_path(file)

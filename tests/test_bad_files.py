@@ -26,6 +26,7 @@ from launcher.distributed.topology import Topology
 from launcher.resolve import resolve
 from launcher.run_io import checkpoint
 from tests.drafters import drafter_config, save_drafter_checkpoint
+from tests.targets import other_family_copy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -146,16 +147,6 @@ def test_export_of_a_checkpoint_pruned_meanwhile_says_so(tmp_path, fitting_draft
 
 
 # ----------------------------------------------------------------------------- drafter and target
-def _other_target(tmp_path: Path, tiny_target_dir: Path) -> Path:
-    """The tiny target's shapes under another family's config: what `target=tiny_llama` gives."""
-    other = tmp_path / "tiny-llama"
-    shutil.copytree(tiny_target_dir, other)
-    config = json.loads((other / "config.json").read_text())
-    config.update(model_type="llama", architectures=["LlamaForCausalLM"])
-    (other / "config.json").write_text(json.dumps(config))
-    return other
-
-
 @pytest.mark.parametrize("recorded", ["identity", "path only", "checkpoint"])
 def test_evaluate_refuses_a_drafter_trained_for_another_target(tmp_path, tiny_target_dir, fitting_drafter, capsys,
                                                               recorded):
@@ -172,7 +163,7 @@ def test_evaluate_refuses_a_drafter_trained_for_another_target(tmp_path, tiny_ta
         export_drafter(fitting_drafter, drafter, card=card)
     earlier = Path(str(drafter) + ".speculative.json")
     earlier.write_text('{"tau": 3.5}\n')
-    other = _other_target(tmp_path, tiny_target_dir)
+    other = other_family_copy(tmp_path, tiny_target_dir)
     err = failure(capsys, evaluate.run, "evaluate", evaluate_args(other, drafter, "evaluate.overwrite=true"))
     assert f"does not fit target.path='{other}': it was trained for the target {tiny_target_dir}" in err
     assert ("model_type qwen3" in err and "this one is model_type llama" in err) if recorded != "path only" else \
@@ -239,7 +230,7 @@ def test_served_evaluation_refuses_a_drafter_for_another_target_before_any_serve
     """Issue 46: exit 0 after 117 s, tau 1.000, "lossless yes", where the HF engine refused in 6 s."""
     export_drafter(fitting_drafter, tmp_path / "export", card={"target": str(tiny_target_dir),
                                                                TARGET_IDENTITY: target_identity(tiny_target_dir)})
-    other = _other_target(tmp_path, tiny_target_dir)
+    other = other_family_copy(tmp_path, tiny_target_dir)
     err = failure(capsys, evaluate.run, "evaluate", served_args(tmp_path, other, tmp_path / "export"))
     assert f"does not fit target.path='{other}': it was trained for the target {tiny_target_dir}" in err
     export_drafter(DFlashDrafter(drafter_config(), seed=0), tmp_path / "small")

@@ -24,18 +24,9 @@ from launcher.regenerate import run as regenerate
 from launcher.serving.endpoint_check import check_serves_drafter, check_serves_target
 from launcher.serving.openai_client import OpenAIClient
 from launcher.serving.served_evaluate import evaluate_served
+from tests.targets import other_family_copy
 
 pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.timeout(1800)]
-
-
-def _another_model(tmp_path: Path, target: Path) -> Path:
-    """The target's files under another family's config: another model to the server's eyes."""
-    other = tmp_path / "tiny-llama"
-    shutil.copytree(target, other)
-    config = json.loads((other / "config.json").read_text())
-    config.update(model_type="llama", architectures=["LlamaForCausalLM"])
-    (other / "config.json").write_text(json.dumps(config))
-    return other
 
 
 def _regenerate(target: Path, url: str, output: Path) -> int:
@@ -52,7 +43,7 @@ def _evaluate_overrides(target, drafter, url, *extra) -> list[str]:
 def test_a_server_of_another_model_is_refused_naming_both(served_qwen3, tmp_path, capfd):
     """Issue 46: regenerate.engine=openai against a server of another model than target.path exited 0
     with that model's text and token ids. A copy of the served model (the same config.json) is it."""
-    other = _another_model(tmp_path, served_qwen3.target)
+    other = other_family_copy(tmp_path, served_qwen3.target)
     with pytest.raises(ConfigError) as refused:
         _regenerate(other, served_qwen3.plain.url, tmp_path / "out.jsonl")
     said = str(refused.value)

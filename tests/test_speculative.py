@@ -148,16 +148,21 @@ def test_load_drafter_reads_exports_and_checkpoints(tmp_path, drafter):
         load_drafter(tmp_path)
 
 
-def test_evaluate_end_to_end(tmp_path, tiny_target_dir, drafter):
-    export_drafter(drafter, tmp_path / "export")
+def _evaluate_export(tmp_path, target_dir, timeout):
+    """`launcher.evaluate` (HF engine, CPU) of the export at tmp_path/export on two prompts: (its summary, the run)."""
     out = tmp_path / "eval.json"
-    cmd = [sys.executable, "-m", "launcher.evaluate", f"target.path={tiny_target_dir}",
+    cmd = [sys.executable, "-m", "launcher.evaluate", f"target.path={target_dir}",
            f"evaluate.drafter={tmp_path / 'export'}", "evaluate.num_prompts=2", "evaluate.max_new_tokens=16",
            "evaluate.device=cpu", f"evaluate.output={out}"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads(out.read_text())
+    return json.loads(out.read_text()), proc
+
+
+def test_evaluate_end_to_end(tmp_path, tiny_target_dir, drafter):
+    export_drafter(drafter, tmp_path / "export")
+    summary, proc = _evaluate_export(tmp_path, tiny_target_dir, timeout=120)
     assert summary["prompts"] == 2 and summary["lossless"] is True
     assert 1 <= summary["tau"] <= BLOCK_SIZE
     assert sum(summary["histogram"].values()) == summary["verify_steps"]
@@ -247,14 +252,7 @@ def test_a_dflash2_drafts_the_selectors_greedy_walk_and_stays_lossless(target, d
 def test_evaluate_decodes_a_dflash2_export_with_its_selector_walk_beside_its_unary_walk(tmp_path, tiny_target_dir,
                                                                                        dflash2_drafter):
     export_drafter(dflash2_drafter, tmp_path / "export", dtype=torch.float32)
-    out = tmp_path / "eval.json"
-    cmd = [sys.executable, "-m", "launcher.evaluate", f"target.path={tiny_target_dir}",
-           f"evaluate.drafter={tmp_path / 'export'}", "evaluate.num_prompts=2", "evaluate.max_new_tokens=16",
-           "evaluate.device=cpu", f"evaluate.output={out}"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180, check=False,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads(out.read_text())
+    summary, proc = _evaluate_export(tmp_path, tiny_target_dir, timeout=180)
     assert summary["walk"] == "selector" and summary["lossless"] is True
     unary = summary["unary_walk"]
     assert 1 <= unary["tau"] <= BLOCK_SIZE and sum(unary["histogram"].values()) == unary["verify_steps"]

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ..files.durable import fsync_path
+from .records import file_digest
 
 STORE_FORMAT = "dflash-token-store-v1"
 _FILES = {"ids": ("ids.bin", np.int32), "mask": ("mask.bin", np.uint8), "offsets": ("offsets.bin", np.int64),
@@ -84,14 +85,6 @@ class TokenStore:
         return cls(flat("ids", np.int32), flat("mask", np.uint8), offsets, flat("hashes", np.uint64), stats)
 
 
-def _sha256(file: Path) -> str:
-    digest = hashlib.sha256()
-    with open(file, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def write_store(directory: Path, chunks: Iterable[Chunk], stats_of, source: dict | None = None) -> None:
     """Stream `chunks` into a store at `directory`, atomically; `stats_of()` gives the source's stats
     once the chunks are exhausted; `source`, what the caller records of where they came from. An
@@ -115,7 +108,7 @@ def write_store(directory: Path, chunks: Iterable[Chunk], stats_of, source: dict
             for f in files.values():
                 f.close()
         meta = {"format": STORE_FORMAT, "samples": samples, "tokens": tokens, "stats": stats_of(),
-                "sha256": {name: _sha256(tmp / _FILES[name][0]) for name in _CHECKSUMMED}, "source": source}
+                "sha256": {name: file_digest(tmp / _FILES[name][0]) for name in _CHECKSUMMED}, "source": source}
         (tmp / "meta.json").write_text(json.dumps(meta, sort_keys=True))
         for file in tmp.iterdir():
             fsync_path(file)
@@ -167,7 +160,7 @@ def open_store(directory: Path) -> TokenStore:
         if size != expected:
             raise StoreError(f"{file} holds {size} bytes where meta.json says {expected}")
     for name in _CHECKSUMMED:
-        if _sha256(directory / _FILES[name][0]) != meta["sha256"][name]:
+        if file_digest(directory / _FILES[name][0]) != meta["sha256"][name]:
             raise StoreError(f"{_FILES[name][0]} does not match its checksum")
     offsets = np.fromfile(directory / _FILES["offsets"][0], dtype=np.int64)
     if offsets[0] != 0 or offsets[-1] != meta["tokens"] or bool((np.diff(offsets) < 0).any()):

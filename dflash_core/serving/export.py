@@ -19,7 +19,6 @@ The directory is world-readable (0755 / 0644) and written into a temporary sibli
 into place. It never replaces anything but a previous export, and that only when asked.
 """
 
-import hashlib
 import json
 import os
 import shutil
@@ -30,6 +29,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..data.records import file_digest
 from ..drafter import dflash2
 from ..drafter.dflash2 import DFlash2Config, build_drafter
 from ..drafter.model import DrafterConfig
@@ -280,8 +280,4 @@ def weights_digest(path):
     BadFileError naming it): what a run that starts from these weights records of them."""
     weights = Path(path) / WEIGHTS_NAME
     check_safetensors(weights)
-    digest = hashlib.sha256()
-    with open(weights, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return file_digest(weights)
