@@ -62,6 +62,15 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """Forget every graph an earlier test of this worker compiled: the drafter's compiled callables are
+    process-wide, so a test that counts its own compiles would count 0 where one before it (xdist's
+    order varies) compiled the same shapes."""
+    torch._dynamo.reset()
+    yield
+
+
 @pytest.fixture(autouse=True)
 def fresh_dflash_logger():
     """Commands run in-process (run_main) set up the `dflash` logger for a console: handlers bound to

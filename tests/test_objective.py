@@ -263,7 +263,7 @@ def test_fused_head_loss_matches_plain_autograd(loss):
     torch.testing.assert_close(grad_fused, grad_plain, rtol=1e-5, atol=1e-6)
 
 
-def test_compiled_layers_and_head_loss_match_eager_and_compile_once():
+def test_compiled_layers_and_head_loss_match_eager_and_compile_once(fresh_dynamo):
     """compiled=True: same loss and gradients as eager (CPU, sdpa), and a second micro-batch
     with new data at the same shape compiles nothing new."""
     from dflash_core.drafter.compile import compile_count

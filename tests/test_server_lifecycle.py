@@ -161,8 +161,10 @@ def test_a_request_failing_because_the_server_died_says_the_server_died(tmp_path
     fake = _fake_python(tmp_path, f"#!{sys.executable}\n{_HEALTHY_SERVER}")
     with pytest.raises(ServerError, match=r"(?s)the vllm serve this command started .* died with exit code 137 "
                                           r"\(killed by SIGKILL\).*what the server said before it died") as failure:
-        with VllmServer(tmp_path, python=fake, stop_grace_s=2) as client:
-            os.kill(_process_named(_supervisor_of(os.getpid()), "--port"), signal.SIGKILL)
+        server = VllmServer(tmp_path, python=fake, stop_grace_s=2)
+        with server as client:
+            # This server's, not another supervisor below this worker (a session fixture's real vLLM).
+            os.kill(_process_named(server.process.pid, "--port"), signal.SIGKILL)
             raise ServerDown(f"POST {client.url}/v1/completions: Remote end closed connection without response")
     assert isinstance(failure.value.__cause__, ServerDown)
     log = Path(str(failure.value).split("its log ", 1)[1].split(" that matter", 1)[0])
