@@ -3,7 +3,7 @@ this environment: from PyPI, or from given wheel files on a machine without an i
 from __future__ import annotations
 
 import importlib
-import importlib.resources
+import importlib.util
 import logging
 import subprocess
 import sys
@@ -34,10 +34,14 @@ class Package:
         return self.name.replace("-", "_").lower() + "-"
 
 
-def importable(module: str) -> bool:
+def installed(package: Package) -> bool:
+    """Whether `package` is there to use: imported, or for a package only read (with_deps=False) found
+    without running its code, which imports the dependencies it was installed without."""
     importlib.invalidate_caches()   # a package pip installed after this process started
+    if not package.with_deps:
+        return importlib.util.find_spec(package.module) is not None
     try:
-        importlib.import_module(module)
+        importlib.import_module(package.module)
     except ImportError:
         return False
     return True
@@ -46,7 +50,7 @@ def importable(module: str) -> bool:
 def ensure(package: Package, wheels: list[str], key: str) -> None:
     """Import `package`, installing it first when it is missing: from the one file of `wheels` (the
     setting `key`) that is this package's wheel, asking no index, else from PyPI."""
-    if importable(package.module):
+    if installed(package):
         return
     for wheel in wheels:
         if not Path(wheel).is_file():
@@ -59,7 +63,7 @@ def ensure(package: Package, wheels: list[str], key: str) -> None:
                *source]
     log.info("installing %s: %s", package.requirement, " ".join(command[1:]))
     done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0 or not importable(package.module):
+    if done.returncode != 0 or not installed(package):
         remedy = (f"the wheel's own dependencies must be installed, or their wheels given in {key} too" if mine
                   else f"without PyPI, give the package's wheel file in {key}=[...]")
         raise ConfigError(f"could not install {package.requirement} ({' '.join(source)}): pip exited "
@@ -68,7 +72,9 @@ def ensure(package: Package, wheels: list[str], key: str) -> None:
 
 def package_file(package: Package, name: str) -> Path:
     """A file the installed package ships beside its modules."""
-    path = Path(str(importlib.resources.files(package.module) / name))
+    # Found by its spec, not imported: a package only read may not import without its dependencies.
+    spec = importlib.util.find_spec(package.module)
+    path = Path(list(spec.submodule_search_locations)[0]) / name
     if not path.is_file():
         raise ConfigError(f"{package.name} is installed but ships no {name} (looked in {path.parent}); reinstall it "
                           f"({package.requirement})")

