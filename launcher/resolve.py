@@ -60,7 +60,7 @@ def ensure_embedded_target(cfg: DictConfig, seed: int) -> None:
     path = Path(cfg.target.path)
     if cfg.target.build_tiny and not path.is_dir() and path.resolve() == own.resolve():
         from dflash_core.target.tiny import build_tiny_target
-        log.warning("building the embedded tiny %s target at %s", cfg.target.tiny_family, path)
+        log.info("building the embedded tiny %s target at %s", cfg.target.tiny_family, path)
         build_tiny_target(path, seed=seed, family=cfg.target.tiny_family)
 
 
