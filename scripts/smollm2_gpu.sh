@@ -8,6 +8,8 @@
 #   bash scripts/smollm2_gpu.sh OUT evaluate   the export (of the last checkpoint when training was stopped) and
 #                                              launcher.evaluate (HF engine) on held-out HumanEval and synthesised
 #                                              prompts; OUT gets the reports and the export as a tarball
+# CODE_PROMPTS=N adds N prompts synthesised under the system prompt CODE_SYSTEM (the Magpie method steered to code
+# requests, none held out) and their answers, which training reads beside the chat set.
 # RECIPE (default smollm2_135m) and RUN (the run's directory name under $WORK/runs) train another drafter on the same
 # data, e.g. DFlash 2: RECIPE=smollm2_135m_dflash2 RUN=smollm2-gpu-d2 with DRAFTER's settings and
 # "drafter.layer_types=[sliding_attention,sliding_attention,sliding_attention]" (one per layer).
@@ -35,6 +37,7 @@ cd "$work" || exit 1
 DRAFTER=${DRAFTER:-"drafter.num_layers=3 drafter.block_size=8 drafter.num_anchors=256 drafter.chunk_blocks=128
   train.micro_batch_size=4 data.fixed_length=512"}
 STEPS=${STEPS:-5000}
+CODE_SYSTEM=${CODE_SYSTEM:-"You are a Python programming assistant. Users ask you to write Python functions, explain code and fix bugs."}
 
 for s in "$@"; do case $s in
   data)
@@ -44,16 +47,24 @@ for s in "$@"; do case $s in
       synthesize.output=$data/prompts.jsonl synthesize.engine=hf synthesize.num_prompts=${PROMPTS:-10016} \
       synthesize.heldout=16 synthesize.max_new_tokens=96 synthesize.batch_size=512 > "$out/synthesize.log" 2>&1 \
       || { tail -20 "$out/synthesize.log"; exit 1; }
+    if [ "${CODE_PROMPTS:-0}" -gt 0 ] && [ ! -f $data/prompts.code.jsonl ]; then
+      python3 -m launcher.synthesize target=smollm2_135m target.dtype=bf16 synthesize.output=$data/prompts.code.jsonl \
+        synthesize.engine=hf synthesize.num_prompts=$CODE_PROMPTS synthesize.max_new_tokens=96 synthesize.batch_size=512 \
+        "synthesize.system_prompt='$CODE_SYSTEM'" > "$out/synthesize.code.log" 2>&1 || { tail -20 "$out/synthesize.code.log"; exit 1; }
+    fi
     cp $data/prompts.heldout.jsonl "$out/"
-    timeout ${REGEN_S:-400} python3 -m launcher.regenerate target=smollm2_135m target.dtype=bf16 \
-      regenerate.input=$data/prompts.jsonl regenerate.output=$data/train.jsonl regenerate.engine=hf \
-      regenerate.max_new_tokens=256 regenerate.batch_size=${REGEN_BATCH:-512} > "$out/regenerate.log" 2>&1
-    echo "regenerate: exit $?"; tail -c 1500 "$out/regenerate.log" ;;
+    for set in "" ${CODE_PROMPTS:+.code}; do
+      timeout ${REGEN_S:-400} python3 -m launcher.regenerate target=smollm2_135m target.dtype=bf16 \
+        regenerate.input=$data/prompts$set.jsonl regenerate.output=$data/train$set.jsonl regenerate.engine=hf \
+        regenerate.max_new_tokens=256 regenerate.batch_size=${REGEN_BATCH:-512} > "$out/regenerate$set.log" 2>&1
+      echo "regenerate$set: exit $?"; tail -c 700 "$out/regenerate$set.log"
+    done ;;
   train)
-    python3 -m launcher.prepare recipe=$recipe "data.paths=[$data/train.jsonl]" $DRAFTER \
+    paths=$data/train.jsonl; [ -f $data/train.code.jsonl ] && paths=$paths,$data/train.code.jsonl
+    python3 -m launcher.prepare recipe=$recipe "data.paths=[$paths]" $DRAFTER \
       > "$out/prepare.log" 2>&1 || { tail -20 "$out/prepare.log"; exit 1; }
     timeout ${TRAIN_S:-480} python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m launcher.train \
-      recipe=$recipe "data.paths=[$data/train.jsonl]" run.dir=$run $DRAFTER train.steps=$STEPS \
+      recipe=$recipe "data.paths=[$paths]" run.dir=$run $DRAFTER train.steps=$STEPS \
       train.eval_every=1000 run.checkpoint_every=500 run.progress=false optim.lr=${LR:-1e-3} > "$out/train.log" 2>&1
     echo "train: exit $?"; grep -E "step +[0-9]+|held-out|ERROR" "$out/train.log" | tail -12
     cp $run/metrics.jsonl "$out/" 2>/dev/null ;;
