@@ -59,13 +59,13 @@ def reply(body: dict) -> dict:
 
 
 class FakeChatServer:
-    """An OpenAI-compatible server on a free loopback port. `fail_first`: that many chat requests
-    get HTTP 503 first; `close_after`: after that many answers the port closes (a server that died);
+    """An OpenAI-compatible server on a loopback `port` (default: a free one). `fail_first`: that many chat
+    requests get HTTP 503 first; `close_after`: after that many answers the port closes (a server that died);
     `delay_s`: each chat request waits this long before its answer or failure; `answer`: body ->
     (HTTP status, payload) in place of `reply` (a server that refuses everything or answers wrongly)."""
 
     def __init__(self, *, fail_first: int = 0, close_after: int | None = None, refuse: str | None = None,
-                 delay_s: float = 0.0, answer=None):
+                 delay_s: float = 0.0, answer=None, port: int = 0):
         self.requests: list[dict] = []
         self.refuse = refuse   # a last message of this content gets HTTP 400 (as a prompt over the context does)
         self.fail_first, self.close_after, self.answered, self.closing = fail_first, close_after, 0, False
@@ -112,7 +112,7 @@ class FakeChatServer:
                     self._send(200, reply(body))
 
         lock = threading.Lock()
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
@@ -256,12 +256,16 @@ def test_every_prompt_refused_exits_non_zero_with_the_reason_and_no_output(tmp_p
                                            ({"choices": [{"text": "completion, not chat"}]}, "`choices[0].message`")])
 def test_a_malformed_answer_names_the_endpoint_and_what_was_missing(tmp_path, chats, tiny_target_dir, answer,
                                                                     missing):
-    """Issue 46: an HTTP 200 without `choices` ended in a bare `KeyError: 'choices'`."""
+    """Issue 46: an HTTP 200 without `choices` ended in a bare `KeyError: 'choices'`; with no answer
+    finished, the run said "the 0 answers finished are kept" and left an empty parts directory."""
     server = FakeChatServer(answer=lambda body: (200, answer))
     with pytest.raises(RegenerationIncomplete, match=rf"POST {server.url}/v1/chat/completions: 2 attempts failed, "
                                                      rf"the last with: HTTP 200 without {re.escape(missing)} "
-                                                     rf"\(the answer: {re.escape(json.dumps(answer))}\)"):
+                                                     rf"\(the answer: {re.escape(json.dumps(answer))}\)"
+                                                     rf".*; no answer finished, so nothing is kept and there is "
+                                                     rf"nothing to resume: run the same command again"):
         _run(tiny_target_dir, chats, tmp_path / "out.jsonl", server.url, concurrency=1, limit=1, max_retries=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl"]   # no output, parts or lock
 
 
 def test_a_failing_server_gives_its_prompts_to_the_healthy_one(tmp_path, chats, tiny_target_dir, capfd):
