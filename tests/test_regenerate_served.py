@@ -310,6 +310,46 @@ def test_a_prompt_that_makes_every_server_fail_is_not_asked_for_ever(tmp_path, c
     assert "(id 'plain-2'): not answered: it failed 3 times, on every server (the last: POST" in capfd.readouterr().err
 
 
+# `vllm serve` stood in by a FakeChatServer on the port it is given (the fake python of regenerate.vllm_python):
+# it logs an error of vLLM's start-up compile that vLLM survives, answers 3 requests, closes its port, says
+# why it died and exits.
+_DYING_SERVER = """
+import sys
+sys.path.insert(0, {repo!r})
+from tests.test_regenerate_served import FakeChatServer
+print("AssertionError: Please convert all Tensors to FakeTensors first", flush=True)
+fake = FakeChatServer(port=int(sys.argv[sys.argv.index("--port") + 1]), close_after=3)
+fake.thread.join()
+print("RuntimeError: the engine core died", flush=True)
+sys.exit(3)
+"""
+
+
+def test_a_started_server_that_died_is_given_up_at_once_and_named_by_what_it_said_after_start_up(
+        tmp_path, chats, tiny_target_dir):
+    """Issue 46: after the supervisor had said the server was dead, its requests were retried for
+    31 s; the death's excerpt showed vLLM's start-up noise, not what came after."""
+    fake = tmp_path / "python"
+    fake.write_text(f"#!{sys.executable}\n{_DYING_SERVER.format(repo=str(REPO))}")
+    fake.chmod(0o755)
+    started = time.monotonic()
+    with pytest.raises(RegenerationIncomplete) as failure:
+        _run(tiny_target_dir, chats, tmp_path / "out.jsonl", engine="vllm", vllm_python=fake, concurrency=1,
+             max_retries=5, retry_backoff_s=4)
+    took = time.monotonic() - started
+    message = str(failure.value)
+    log = Path(message.split("its log ", 1)[1].split(" that matter", 1)[0])
+    try:
+        # Retrying a dead server would wait 4 + 8 + 16 + 32 + 64 = 124 s; given up at once, the run takes
+        # the fake's start (a python importing torch) and at most one wait of 4 s, a loaded machine's
+        # seconds included.
+        assert took < 60, f"{took:.0f} s: {message}"
+        assert "died with exit code 3" in message and "RuntimeError: the engine core died" in message, message
+        assert "the server is ready" in message and "FakeTensors" not in message, message
+    finally:
+        log.unlink(missing_ok=True)
+
+
 # ----------------------------------------------------------------------------- no finished answer is lost
 def _interrupted(tiny_target_dir, chats, output) -> Path:
     """A run stopped after 3 of the chats were answered (its server died): their parts are kept."""

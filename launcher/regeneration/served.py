@@ -383,10 +383,13 @@ def started_servers(cfg: DictConfig, target: Path, section: str = "regenerate"):
             server.stop()
 
 
-def connected(urls: list[str], cfg: DictConfig, section: str = "regenerate") -> list[OpenAIClient]:
+def connected(urls: list[str], cfg: DictConfig, section: str = "regenerate", started=()) -> list[OpenAIClient]:
+    """Clients of the servers at `urls`, each answering; one of a server in `started` (VllmServer, started
+    here) stops retrying once its server is gone (its supervisor said so)."""
     r = cfg[section]
-    clients = [OpenAIClient(url, max_retries=r.max_retries, backoff_s=r.retry_backoff_s, timeout_s=r.request_timeout_s)
-               for url in urls]
+    gone = {server.url: server.gone for server in started}
+    clients = [OpenAIClient(url, max_retries=r.max_retries, backoff_s=r.retry_backoff_s, timeout_s=r.request_timeout_s,
+                            dead=gone.get(url)) for url in urls]
     for client in clients:
         try:
             client.connect()
@@ -437,7 +440,7 @@ def run_served(cfg: DictConfig) -> int:
             urls = urls or [server.url for server in servers]
             if todo:
                 writer = stack.enter_context(PartWriter(part))
-                outcome = answer_all(connected(urls, cfg), todo, requests, writer, r.concurrency)
+                outcome = answer_all(connected(urls, cfg, started=servers), todo, requests, writer, r.concurrency)
             for server in servers:   # one that died on its own: its exit and its log say why, not the requests
                 if server.url in outcome.down and (died := server.died()):
                     outcome.down[server.url] = "it died (below)"
