@@ -49,13 +49,15 @@ def run(overrides: list[str]) -> int:
     cfg = compose_config(overrides, config_name="regenerate")
     validate(cfg)
     check_output(cfg)   # on every rank, before any work
-    if cfg.regenerate.engine == "hf":
-        from launcher.regeneration.hf import run_hf
-        return run_hf(cfg, rank, world)   # rank 0 claims the output once the ranks can hear its refusal
     from launcher.cli import stop_on_signals
-    from launcher.regeneration.served import run_served
-    with stop_on_signals(), claim_output(cfg):   # SIGTERM too stops the servers, releases the output, says what is left
-        return run_served(cfg)
+    # Every engine: SIGTERM too stops the servers, releases the output and says what is kept (parts.py).
+    with stop_on_signals():
+        if cfg.regenerate.engine == "hf":
+            from launcher.regeneration.hf import run_hf
+            return run_hf(cfg, rank, world)   # rank 0 claims the output once the ranks can hear its refusal
+        from launcher.regeneration.served import run_served
+        with claim_output(cfg):
+            return run_served(cfg)
 
 
 def main() -> None:

@@ -1,5 +1,10 @@
 """`python -m launcher.regenerate`: the target answers a dataset's prompts; the output trains."""
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -8,7 +13,7 @@ from dflash_core.data import load_samples, read_records
 from dflash_core.data.prompts import prompt_messages
 from dflash_core.target.tiny import BUNDLED_DATASET
 from launcher.regeneration.parts import merge_parts, read_part
-from tests.launching import torchrun
+from tests.launching import REPO, torchrun, wait_for
 
 NUM_PROMPTS, MAX_NEW_TOKENS = 16, 24
 
@@ -74,6 +79,35 @@ def test_static_cache_answers_as_the_dynamic_cache_does(tiny_target_dir):
         assert config.cache_implementation == (None if cache == "dynamic" else "static")
         answers[cache] = generate(model, prompts, config, tokenizer.pad_token_id)
     assert answers["static"] == answers["dynamic"] and all(len(row) == MAX_NEW_TOKENS for row in answers["static"])
+
+
+def test_sigterm_of_the_hf_engine_says_what_is_kept_and_keeps_it_for_the_rerun(tmp_path, tiny_target_dir):
+    """Issue 46: SIGTERM (`timeout`, a job scheduler) of regenerate.engine=hf exited 143 saying nothing,
+    where docs/regeneration.md promises every engine says what it keeps and how to resume."""
+    output = tmp_path / "out.jsonl"
+    part = output.with_name(output.name + ".parts") / "rank00000.jsonl"
+    with open(tmp_path / "err", "w") as err:   # one prompt per batch: answers reach the part file one by one
+        command = subprocess.Popen([sys.executable, "-m", "launcher.regenerate", f"target.path={tiny_target_dir}",
+                                    f"regenerate.input={BUNDLED_DATASET}", f"regenerate.output={output}",
+                                    "regenerate.limit=200", "regenerate.batch_size=1", "regenerate.max_new_tokens=32",
+                                    "regenerate.device=cpu"], cwd=REPO, stderr=err,
+                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        wait_for(lambda: command.poll() is not None or (part.is_file() and len(part.read_text().splitlines()) >= 2),
+                 300, "two answers in the part file")
+        assert command.poll() is None, f"not mid-run:\n{(tmp_path / 'err').read_text()[-3000:]}"
+        command.send_signal(signal.SIGTERM)
+        code = command.wait(timeout=60)
+    finally:
+        command.kill()
+        command.wait()
+    err = (tmp_path / "err").read_text()
+    said = re.search(rf"stopped by SIGTERM: (\d+) of (\d+) prompts answered and kept in {re.escape(str(part.parent))}; "
+                     rf"run the same command again to answer the other (\d+)", err)
+    assert code == 128 + signal.SIGTERM and said, err[-3000:]
+    kept, prompts, other = map(int, said.groups())
+    assert kept == len(part.read_text().splitlines()) >= 2 and kept + other == prompts
+    assert "Traceback" not in err and not output.exists() and not output.with_name("out.jsonl.lock").exists()
 
 
 # ----------------------------------------------------------------------------- multi-process

@@ -59,13 +59,13 @@ def reply(body: dict) -> dict:
 
 
 class FakeChatServer:
-    """An OpenAI-compatible server on a free loopback port. `fail_first`: that many chat requests
-    get HTTP 503 first; `close_after`: after that many answers the port closes (a server that died);
+    """An OpenAI-compatible server on a loopback `port` (default: a free one). `fail_first`: that many chat
+    requests get HTTP 503 first; `close_after`: after that many answers the port closes (a server that died);
     `delay_s`: each chat request waits this long before its answer or failure; `answer`: body ->
     (HTTP status, payload) in place of `reply` (a server that refuses everything or answers wrongly)."""
 
     def __init__(self, *, fail_first: int = 0, close_after: int | None = None, refuse: str | None = None,
-                 delay_s: float = 0.0, answer=None):
+                 delay_s: float = 0.0, answer=None, port: int = 0):
         self.requests: list[dict] = []
         self.refuse = refuse   # a last message of this content gets HTTP 400 (as a prompt over the context does)
         self.fail_first, self.close_after, self.answered, self.closing = fail_first, close_after, 0, False
@@ -112,7 +112,7 @@ class FakeChatServer:
                     self._send(200, reply(body))
 
         lock = threading.Lock()
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
@@ -256,12 +256,16 @@ def test_every_prompt_refused_exits_non_zero_with_the_reason_and_no_output(tmp_p
                                            ({"choices": [{"text": "completion, not chat"}]}, "`choices[0].message`")])
 def test_a_malformed_answer_names_the_endpoint_and_what_was_missing(tmp_path, chats, tiny_target_dir, answer,
                                                                     missing):
-    """Issue 46: an HTTP 200 without `choices` ended in a bare `KeyError: 'choices'`."""
+    """Issue 46: an HTTP 200 without `choices` ended in a bare `KeyError: 'choices'`; with no answer
+    finished, the run said "the 0 answers finished are kept" and left an empty parts directory."""
     server = FakeChatServer(answer=lambda body: (200, answer))
     with pytest.raises(RegenerationIncomplete, match=rf"POST {server.url}/v1/chat/completions: 2 attempts failed, "
                                                      rf"the last with: HTTP 200 without {re.escape(missing)} "
-                                                     rf"\(the answer: {re.escape(json.dumps(answer))}\)"):
+                                                     rf"\(the answer: {re.escape(json.dumps(answer))}\)"
+                                                     rf".*; no answer finished, so nothing is kept and there is "
+                                                     rf"nothing to resume: run the same command again"):
         _run(tiny_target_dir, chats, tmp_path / "out.jsonl", server.url, concurrency=1, limit=1, max_retries=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl"]   # no output, parts or lock
 
 
 def test_a_failing_server_gives_its_prompts_to_the_healthy_one(tmp_path, chats, tiny_target_dir, capfd):
@@ -304,6 +308,46 @@ def test_a_prompt_that_makes_every_server_fail_is_not_asked_for_ever(tmp_path, c
     assert _run(tiny_target_dir, chats, output, *(s.url for s in servers), max_retries=0, concurrency=1) == 0
     assert [r["id"] for r in _records(output)] == [c["id"] for c in CHATS if c["id"] != "plain-2"]
     assert "(id 'plain-2'): not answered: it failed 3 times, on every server (the last: POST" in capfd.readouterr().err
+
+
+# `vllm serve` stood in by a FakeChatServer on the port it is given (the fake python of regenerate.vllm_python):
+# it logs an error of vLLM's start-up compile that vLLM survives, answers 3 requests, closes its port, says
+# why it died and exits.
+_DYING_SERVER = """
+import sys
+sys.path.insert(0, {repo!r})
+from tests.test_regenerate_served import FakeChatServer
+print("AssertionError: Please convert all Tensors to FakeTensors first", flush=True)
+fake = FakeChatServer(port=int(sys.argv[sys.argv.index("--port") + 1]), close_after=3)
+fake.thread.join()
+print("RuntimeError: the engine core died", flush=True)
+sys.exit(3)
+"""
+
+
+def test_a_started_server_that_died_is_given_up_at_once_and_named_by_what_it_said_after_start_up(
+        tmp_path, chats, tiny_target_dir):
+    """Issue 46: after the supervisor had said the server was dead, its requests were retried for
+    31 s; the death's excerpt showed vLLM's start-up noise, not what came after."""
+    fake = tmp_path / "python"
+    fake.write_text(f"#!{sys.executable}\n{_DYING_SERVER.format(repo=str(REPO))}")
+    fake.chmod(0o755)
+    started = time.monotonic()
+    with pytest.raises(RegenerationIncomplete) as failure:
+        _run(tiny_target_dir, chats, tmp_path / "out.jsonl", engine="vllm", vllm_python=fake, concurrency=1,
+             max_retries=5, retry_backoff_s=4)
+    took = time.monotonic() - started
+    message = str(failure.value)
+    log = Path(message.split("its log ", 1)[1].split(" that matter", 1)[0])
+    try:
+        # Retrying a dead server would wait 4 + 8 + 16 + 32 + 64 = 124 s; given up at once, the run takes
+        # the fake's start (a python importing torch) and at most one wait of 4 s, a loaded machine's
+        # seconds included.
+        assert took < 60, f"{took:.0f} s: {message}"
+        assert "died with exit code 3" in message and "RuntimeError: the engine core died" in message, message
+        assert "the server is ready" in message and "FakeTensors" not in message, message
+    finally:
+        log.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------- no finished answer is lost

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from launcher.serving.supervisor import descendants
+from launcher.serving.supervisor import READY_WORDS, descendants, is_ready_line
 from launcher.serving.vllm_server import SERVER_MODULE, ServerError, VllmServer, log_excerpt
 from tests import served
-from tests.launching import REPO
+from tests.launching import REPO, wait_for
 
 # How long a process of a stopped tree may take to be gone: the supervisor's SIGTERM grace (2 s for
 # the stand-ins, 30 s for vLLM), its SIGKILL pass, and a loaded 2-core machine; a killed process goes
@@ -108,7 +108,7 @@ SLEEPS = ("sleep 300", "sleep 301", "sleep 302")   # FAKE_SERVER's
 _COMMAND = """
 import sys, time
 from launcher.serving.vllm_server import VllmServer
-server = VllmServer("/nonexistent", python=sys.argv[1], stop_grace_s=2)
+server = VllmServer("/nonexistent", python=sys.argv[1], stop_grace_s=float(sys.argv[2]))
 server.launch()
 print(server.log_path, flush=True)
 time.sleep(600)
@@ -116,7 +116,7 @@ time.sleep(600)
 
 
 def test_sigkill_of_the_command_takes_the_whole_tree_and_the_temporary_log(tmp_path):
-    command = subprocess.Popen([sys.executable, "-c", _COMMAND, _fake_python(tmp_path)], cwd=REPO,
+    command = subprocess.Popen([sys.executable, "-c", _COMMAND, _fake_python(tmp_path), "2"], cwd=REPO,
                                stdout=subprocess.PIPE, text=True)
     try:
         log = Path(command.stdout.readline().strip())
@@ -126,6 +126,91 @@ def test_sigkill_of_the_command_takes_the_whole_tree_and_the_temporary_log(tmp_p
         command.wait()
     assert not still_alive(tree)
     assert not log.exists(), "the temporary log of a server whose command died is left behind"
+
+
+# vLLM starting up (loading, compiling) leaves SIGTERM unanswered: a stand-in whose every process ignores it
+# (an ignored signal stays ignored across exec).
+STARTING_SERVER = FAKE_SERVER.replace("#!/bin/sh\n", "#!/bin/sh\ntrap '' TERM\n")
+# How long the tree of a server that was not ready may outlive its command: the supervisor's start-up grace
+# (2 s), its SIGKILL pass (milliseconds) and a loaded 2-core machine's delays; a third of the 30 s grace of
+# the server below, which a server with nothing to drain must not be given.
+GONE_BEFORE_READY_WITHIN_S = 10.0
+
+
+def test_sigkill_of_the_command_while_the_server_starts_takes_the_tree_at_once(tmp_path):
+    """Issue 46: SIGKILL of a command during vLLM's start-up left its API server, resource tracker and
+    a defunct engine core for the whole 30 s grace, with nothing to drain."""
+    command = subprocess.Popen([sys.executable, "-c", _COMMAND, _fake_python(tmp_path, STARTING_SERVER), "30"],
+                               cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        command.stdout.readline()
+        tree = complete_tree(_supervisor_of(command.pid), SLEEPS)
+    finally:
+        command.kill()
+        command.wait()
+    assert not still_alive(tree, within_s=GONE_BEFORE_READY_WITHIN_S)
+
+
+# A server that becomes ready, logging on its way an error of vLLM's start-up compile that vLLM survives, and
+# dies (SIGKILL) when asked for its /metrics, saying why first.
+_READY_SERVER = """
+import os, signal, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.path == "/metrics":
+            print("RuntimeError: what the server said before it died", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.send_response(200)
+        self.end_headers()
+print("AssertionError: Please convert all Tensors to FakeTensors first", flush=True)
+HTTPServer(("127.0.0.1", int(sys.argv[sys.argv.index("--port") + 1])), Health).serve_forever()
+"""
+
+
+def _said_ready(server: VllmServer) -> None:
+    wait_for(lambda: any(map(is_ready_line, server.log_path.read_text().splitlines())), 30,
+             "the supervisor's line saying the server is ready")
+
+
+def test_a_request_failing_because_the_server_died_says_so_at_once_with_what_it_said_after_start_up(tmp_path):
+    """Issue 46: after the supervisor had said the server was dead, the client retried for 31 s; the
+    death's excerpt showed an error of vLLM's start-up that did not stop it."""
+    from launcher.serving.openai_client import ServerDown
+
+    fake = _fake_python(tmp_path, f"#!{sys.executable}\n{_READY_SERVER}")
+    with pytest.raises(ServerError, match=r"(?s)the vllm serve this command started .* died with exit code 137 "
+                                          r"\(killed by SIGKILL\).*what the server said before it died") as failure:
+        server = VllmServer(tmp_path, python=fake, stop_grace_s=2)
+        with server as client:   # it retries a failed request 5 times, after 1, 2, 4, 8 and 16 s
+            _said_ready(server)
+            asking = time.monotonic()
+            client.metrics()
+    # Retried, a dead server is given up after 31 s; known dead, after at most one wait of 1 s (its
+    # supervisor had not yet said so at the first failure) and the teardown of a tree with nothing left.
+    assert time.monotonic() - asking < 15
+    assert isinstance(failure.value.__cause__, ServerDown)
+    assert "not retried, the server is dead: [supervisor" in str(failure.value.__cause__)
+    assert "FakeTensors" not in str(failure.value)
+    log = Path(str(failure.value).split("its log ", 1)[1].split(" that matter", 1)[0])
+    assert log.is_file(), "the log the error names is gone"
+    log.unlink()
+
+
+def test_a_ready_server_is_given_its_grace_and_the_log_says_when_it_became_ready(tmp_path):
+    """Once ready, a server has requests to drain: stopped, its processes have the whole grace."""
+    ignoring_sigterm = f"#!{sys.executable}\nimport signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    grace_s = 6.0   # above the start-up grace, which a ready server must not get
+    server = VllmServer(tmp_path, python=_fake_python(tmp_path, ignoring_sigterm + _READY_SERVER),
+                        log_path=tmp_path / "log", stop_grace_s=grace_s)
+    server.launch()
+    try:
+        server.wait_ready()
+        _said_ready(server)
+    finally:
+        stopping = time.monotonic()
+        server.stop()
+    assert time.monotonic() - stopping >= grace_s
 
 
 def test_a_server_that_dies_on_its_own_is_named_with_its_log_and_leaves_nothing(tmp_path):
@@ -141,35 +226,6 @@ def test_a_server_that_dies_on_its_own_is_named_with_its_log_and_leaves_nothing(
     assert died is not None and "died with exit code 137 (killed by SIGKILL)" in died
     assert f"its log {server.log_path} that matter" in died and "ValueError: the root cause" in died
     assert server.log_path.exists(), "the log an error names is removed"
-
-
-_HEALTHY_SERVER = """
-import sys
-from http.server import BaseHTTPRequestHandler, HTTPServer
-class Health(BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200)
-        self.end_headers()
-print("RuntimeError: what the server said before it died", flush=True)
-HTTPServer(("127.0.0.1", int(sys.argv[sys.argv.index("--port") + 1])), Health).serve_forever()
-"""
-
-
-def test_a_request_failing_because_the_server_died_says_the_server_died(tmp_path):
-    from launcher.serving.openai_client import ServerDown
-
-    fake = _fake_python(tmp_path, f"#!{sys.executable}\n{_HEALTHY_SERVER}")
-    with pytest.raises(ServerError, match=r"(?s)the vllm serve this command started .* died with exit code 137 "
-                                          r"\(killed by SIGKILL\).*what the server said before it died") as failure:
-        server = VllmServer(tmp_path, python=fake, stop_grace_s=2)
-        with server as client:
-            # This server's, not another supervisor below this worker (a session fixture's real vLLM).
-            os.kill(_process_named(server.process.pid, "--port"), signal.SIGKILL)
-            raise ServerDown(f"POST {client.url}/v1/completions: Remote end closed connection without response")
-    assert isinstance(failure.value.__cause__, ServerDown)
-    log = Path(str(failure.value).split("its log ", 1)[1].split(" that matter", 1)[0])
-    assert log.is_file(), "the log the error names is gone"
-    log.unlink()
 
 
 def test_stop_kills_the_group_when_its_leader_is_gone(tmp_path):
@@ -220,6 +276,23 @@ def test_the_log_excerpt_keeps_the_root_cause_far_above_the_end_and_not_the_tear
         [log[7], log[10]], "the root cause with the frame it was raised in"
     assert log[5] in excerpt and log[-31] in excerpt and excerpt.endswith(log[-31])
     assert "cancelled" not in excerpt and "line 50," not in excerpt
+
+
+def test_the_log_excerpt_of_a_server_that_became_ready_leaves_out_its_start_up_errors():
+    """Issue 46: a served run's death excerpt showed an error vLLM's start-up compile logs and survives."""
+    core = "(EngineCore pid=6) ERROR 12-05 08:24:34 [core.py:1510] "
+    log = ["(EngineCore pid=6) WARNING 12-05 08:23:50 [backends.py:1] compile failed, falling back",
+           "Traceback (most recent call last):", '  File "/t/fake_tensor.py", line 2, in from_real_tensor',
+           "AssertionError: Please convert all Tensors to FakeTensors first",
+           "(APIServer pid=5) INFO 12-05 08:24:01 [launcher.py:1] Application startup complete.",
+           f"[supervisor 9] {READY_WORDS}: stopping it now gives its processes 30 s to exit before SIGKILL",
+           *["(APIServer pid=5) INFO 12-05 08:24:02 [h11.py:1] POST /v1/chat/completions 200 OK"] * 20,
+           f'{core}  File "/v/core.py", line 7, in step', f"{core}RuntimeError: the engine core died mid-step",
+           *["(APIServer pid=5) INFO 12-05 08:24:35 [h11.py:1] POST /v1/chat/completions 500"] * 10,
+           "[supervisor 9] the server (pid 10) exited with code 1; stopping the processes it left"]
+    excerpt = log_excerpt("\n".join(log))
+    assert "FakeTensors" not in excerpt and "fake_tensor.py" not in excerpt, excerpt
+    assert f"{log[26]}\n{log[27]}" in excerpt and log[5] in excerpt and excerpt.endswith(log[-1]), excerpt
 
 
 def test_a_failed_server_start_names_its_log_and_leaves_no_parts(tmp_path, tiny_target_dir):

@@ -164,39 +164,40 @@ def _answer(cfg: DictConfig, rank: int, world: int, device) -> int:
             shutil.rmtree(parts, ignore_errors=True)
         raise part_files.every_prompt_skipped(cfg, stats, shares)
 
-    check_target_files(target_dir(cfg))
-    dtype = compute_dtype(cfg.target.dtype, device, cpu=torch.bfloat16)
-    if rank == 0:
-        log.info("answering with %s in %s on %s (target.dtype=%s, %s KV cache)", target_dir(cfg), dtype, device,
-                 cfg.target.dtype, gen_config.cache_implementation or "dynamic")
-    model = AutoModelForCausalLM.from_pretrained(target_dir(cfg), dtype=dtype)
-    model.requires_grad_(False).eval().to(device)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    stop_ids = stop_token_ids(tokenizer, model.generation_config, part_files.template_kwargs(cfg))
-    gen_config = generation_config(r, stop_ids, pad_id, device)
-    torch.manual_seed(r.seed + rank)
-    # Longest first: batches of similar lengths pad little, and running out of memory shows up
-    # in the first batch rather than hours in.
-    mine.sort(key=lambda p: -len(p.token_ids))
-    counts = {"answered": 0, "unfinished_turns": 0, "empty": 0, **dropped, "resumed": len(done), "new_tokens": 0}
-    started = time.perf_counter()
-    with part_files.PartWriter(part) as writer:
-        for batch_no, start in enumerate(range(0, len(mine), r.batch_size)):
-            batch = mine[start:start + r.batch_size]
-            answers = regenerate_batch(model, tokenizer, batch, gen_config, stop_ids, pad_id,
-                                       part_files.template_kwargs(cfg))
-            for prompt, (conversation, tokens, unfinished) in zip(batch, answers):
-                counts["unfinished_turns"] += unfinished
-                counts["new_tokens"] += tokens
-                if conversation is None:
-                    counts["empty"] += 1
-                    continue
-                counts["answered"] += 1
-                writer.write(prompt.index, part_files.output_record(prompt, conversation), sync=False)
-            writer.sync()  # a crash loses at most the batch in flight
-            if rank == 0 and (batch_no + 1) % r.log_every == 0:
-                log.info("rank 0: %d/%d prompts answered, %.1f tokens/s", start + len(batch), len(mine),
-                         counts["new_tokens"] / (time.perf_counter() - started))
+    with part_files.saying_what_is_kept(part, len(done) + len(mine), world):   # a signal says what is kept
+        check_target_files(target_dir(cfg))
+        dtype = compute_dtype(cfg.target.dtype, device, cpu=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(target_dir(cfg), dtype=dtype)
+        model.requires_grad_(False).eval().to(device)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        stop_ids = stop_token_ids(tokenizer, model.generation_config, part_files.template_kwargs(cfg))
+        gen_config = generation_config(r, stop_ids, pad_id, device)
+        if rank == 0:
+            log.info("answering with %s in %s on %s (target.dtype=%s, %s KV cache)", target_dir(cfg), dtype, device,
+                     cfg.target.dtype, gen_config.cache_implementation or "dynamic")
+        torch.manual_seed(r.seed + rank)
+        # Longest first: batches of similar lengths pad little, and running out of memory shows up
+        # in the first batch rather than hours in.
+        mine.sort(key=lambda p: -len(p.token_ids))
+        counts = {"answered": 0, "unfinished_turns": 0, "empty": 0, **dropped, "resumed": len(done), "new_tokens": 0}
+        started = time.perf_counter()
+        with part_files.PartWriter(part) as writer:
+            for batch_no, start in enumerate(range(0, len(mine), r.batch_size)):
+                batch = mine[start:start + r.batch_size]
+                answers = regenerate_batch(model, tokenizer, batch, gen_config, stop_ids, pad_id,
+                                           part_files.template_kwargs(cfg))
+                for prompt, (conversation, tokens, unfinished) in zip(batch, answers):
+                    counts["unfinished_turns"] += unfinished
+                    counts["new_tokens"] += tokens
+                    if conversation is None:
+                        counts["empty"] += 1
+                        continue
+                    counts["answered"] += 1
+                    writer.write(prompt.index, part_files.output_record(prompt, conversation), sync=False)
+                writer.sync()  # a crash loses at most the batch in flight
+                if rank == 0 and (batch_no + 1) % r.log_every == 0:
+                    log.info("rank 0: %d/%d prompts answered, %.1f tokens/s", start + len(batch), len(mine),
+                             counts["new_tokens"] / (time.perf_counter() - started))
 
     counts["wall_s"] = time.perf_counter() - started
     gathered = [None] * world

@@ -7,7 +7,8 @@ it looks at the output until after it published it, and a second run is refused 
 The parts record what their answers depend on (the generating settings, the input's resolved path
 and content digest, the target, the world size): a rerun with the same resumes them, one with other
 settings is refused naming what differs (regenerate.resume=false discards them, saying how many).
-They are removed only once the output is published.
+They are removed only once the output is published, or when a run that ended early kept no answer in
+them (saying_what_is_kept, which also says what a run stopped by a signal keeps and how to resume).
 
 A part file holds one JSON line per finished prompt: {"index": position among the input's
 prompts, "record": the output record}. Output records: {"id", "conversations": [...turns...,
@@ -18,6 +19,7 @@ re-tokenisation where they agree with the template (dflash_core.data.render).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -202,6 +204,27 @@ def open_share(cfg: DictConfig, tokenizer, share: list[Prompt], parts: Path, ran
     done = read_part(part)
     todo, dropped = tokenize_prompts(cfg, tokenizer, [p for p in share if p.index not in done])
     return part, done, todo, dropped
+
+
+@contextlib.contextmanager
+def saying_what_is_kept(part: Path, prompts: int, world: int = 1):
+    """Around a rank's answering of its `prompts` into its `part` file, for every engine: when the run
+    ends early (a signal, an error, every server down), parts holding no answer are removed where one
+    process writes them all (nothing to resume: a failed server start leaves no empty directory; a rank
+    of several cannot know that the others' stay empty), and a signal's Stopped
+    (launcher.cli.stop_on_signals) says what the rank keeps and how to resume."""
+    try:
+        yield
+    except BaseException as exc:
+        kept = len(read_part(part))
+        if not kept and world == 1:
+            shutil.rmtree(part.parent, ignore_errors=True)
+        if isinstance(exc, KeyboardInterrupt):
+            whose = " of this rank" if world > 1 else ""
+            exc.left = (f"{kept} of {prompts} prompts{whose} answered and kept in {part.parent}; run the same command "
+                        f"again to answer the other {prompts - kept}" if kept else
+                        f"none of the {prompts} prompts{whose} was answered; run the same command again")
+        raise
 
 
 def read_part(file: Path) -> dict[int, dict]:

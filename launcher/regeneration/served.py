@@ -47,7 +47,7 @@ from launcher.regeneration.parts import (
     output_record,
     parts_dir,
     prepare_parts,
-    read_part,
+    saying_what_is_kept,
     template_kwargs,
 )
 from launcher.serving.endpoint_check import check_serves_target
@@ -306,22 +306,13 @@ def incomplete(outcome: Outcome, prompts: list[Prompt], resumed: int, parts: Pat
     left = [p for p in prompts if p.index not in handled]
     named = ", ".join(repr(p.id) for p in left[:_LISTED]) + (", ..." if len(left) > _LISTED else "")
     why = "; ".join(f"{url}: {reason}" for url, reason in outcome.down.items())
-    return RegenerationIncomplete(
-        f"{len(left)} of {len(prompts) + resumed} prompts are left unanswered (ids {named}): every server stopped "
-        f"answering ({why}); the {len(outcome.answered) + resumed} answers finished are kept in {parts}; "
-        f"run the same command again (with regenerate.resume=true, the default) to answer only those left")
-
-
-def interrupted(exc: BaseException, part: Path, prompts: int) -> None:
-    """On the way out of an interrupted or failed run: parts holding no answer are removed (a failed
-    server start leaves no empty directory), and a signal's Stopped says what is kept and how to resume."""
-    kept = len(read_part(part))
-    if not kept:
-        shutil.rmtree(part.parent, ignore_errors=True)
-    if isinstance(exc, KeyboardInterrupt):
-        exc.left = (f"{kept} of {prompts} prompts answered and kept in {part.parent}; run the same command again "
-                    f"to answer the other {prompts - kept}" if kept else
-                    f"none of the {prompts} prompts was answered; run the same command again")
+    kept = len(outcome.answered) + resumed
+    resume = (f"the {kept} answers finished are kept in {parts}; run the same command again (with "
+              f"regenerate.resume=true, the default) to answer only those left" if kept else
+              "no answer finished, so nothing is kept and there is nothing to resume: run the same command again "
+              "to answer them all")
+    return RegenerationIncomplete(f"{len(left)} of {len(prompts) + resumed} prompts are left unanswered (ids {named}): "
+                                  f"every server stopped answering ({why}); {resume}")
 
 
 def nothing_answered(outcome: Outcome, prompts: list[Prompt]) -> NothingAnswered:
@@ -392,10 +383,13 @@ def started_servers(cfg: DictConfig, target: Path, section: str = "regenerate"):
             server.stop()
 
 
-def connected(urls: list[str], cfg: DictConfig, section: str = "regenerate") -> list[OpenAIClient]:
+def connected(urls: list[str], cfg: DictConfig, section: str = "regenerate", started=()) -> list[OpenAIClient]:
+    """Clients of the servers at `urls`, each answering; one of a server in `started` (VllmServer, started
+    here) stops retrying once its server is gone (its supervisor said so)."""
     r = cfg[section]
-    clients = [OpenAIClient(url, max_retries=r.max_retries, backoff_s=r.retry_backoff_s, timeout_s=r.request_timeout_s)
-               for url in urls]
+    gone = {server.url: server.gone for server in started}
+    clients = [OpenAIClient(url, max_retries=r.max_retries, backoff_s=r.retry_backoff_s, timeout_s=r.request_timeout_s,
+                            dead=gone.get(url)) for url in urls]
     for client in clients:
         try:
             client.connect()
@@ -440,25 +434,21 @@ def run_served(cfg: DictConfig) -> int:
     if done:
         log.info("resuming: %d prompts answered before, %d left", len(done), len(todo))
     outcome, deaths = Outcome(), []
-    try:
+    with saying_what_is_kept(part, len(done) + len(todo)):   # ended early: parts with no answer go too
         with contextlib.ExitStack() as stack:
             servers = stack.enter_context(started_servers(cfg, target)) if urls is None and todo else []
             urls = urls or [server.url for server in servers]
             if todo:
                 writer = stack.enter_context(PartWriter(part))
-                outcome = answer_all(connected(urls, cfg), todo, requests, writer, r.concurrency)
+                outcome = answer_all(connected(urls, cfg, started=servers), todo, requests, writer, r.concurrency)
             for server in servers:   # one that died on its own: its exit and its log say why, not the requests
                 if server.url in outcome.down and (died := server.died()):
                     outcome.down[server.url] = "it died (below)"
                     deaths.append(died)
-    except BaseException as exc:
-        interrupted(exc, part, len(done) + len(todo))
-        raise
-    if len(outcome.answered | outcome.empty | set(outcome.refused)) < len(todo):
-        raise RegenerationIncomplete("\n".join([str(incomplete(outcome, todo, len(done), parts)), *deaths]))
-    if not outcome.answered and not done:   # nothing to publish: no output, and no answer in the parts to keep
-        shutil.rmtree(parts)
-        raise nothing_answered(outcome, todo)
+        if len(outcome.answered | outcome.empty | set(outcome.refused)) < len(todo):
+            raise RegenerationIncomplete("\n".join([str(incomplete(outcome, todo, len(done), parts)), *deaths]))
+        if not outcome.answered and not done:   # nothing to publish: no output, and no answer in the parts to keep
+            raise nothing_answered(outcome, todo)
     written = merge_parts(parts, 1, len(prompts), output)
     shutil.rmtree(parts)
     counts = {"answered": len(outcome.answered), "empty": len(outcome.empty), "refused": len(outcome.refused),

@@ -6,10 +6,11 @@ Every request takes one path with one retry policy. A request the server failed 
 refused, reset, timed out or torn; HTTP 5xx; 429) is retried after waits that double from
 `backoff_s`; after `max_retries` retries the server counts as down (ServerDown). A request it
 refused for what it asked (another HTTP 4xx: a prompt over the context, a bad parameter) is not
-retried (RequestRefused): another server would refuse it too. A completion answered without its
-`choices` (an HTTP 200 from something that is not quite an OpenAI server: a proxy's error page, a
-truncated answer) counts as a failed request, saying what was missing. Errors name the method, the
-URL, the HTTP code with the server's own words, and the attempts.
+retried (RequestRefused): another server would refuse it too. Nor is a request to a server known
+dead (`dead`, e.g. VllmServer.gone of a server started here): it is down at once. A completion
+answered without its `choices` (an HTTP 200 from something that is not quite an OpenAI server: a
+proxy's error page, a truncated answer) counts as a failed request, saying what was missing. Errors
+name the method, the URL, the HTTP code with the server's own words, and the attempts.
 
 The standard library's urllib carries the requests: the `openai` package waits between retries on
 its own schedule (not `backoff_s`), retries 408 and 409 too and knows no /health or /metrics, and
@@ -21,6 +22,7 @@ import json
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 
 
 class ServerError(OSError):
@@ -51,11 +53,14 @@ def _completion(text: str, part: str | None = None) -> dict:
 
 
 class OpenAIClient:
-    """Requests to the server at `url`. `timeout_s` bounds one request's answer (a long generation's)."""
+    """Requests to the server at `url`. `timeout_s` bounds one request's answer (a long generation's);
+    `dead`, asked when a request failed: the words saying the server is dead for good, or None."""
 
-    def __init__(self, url: str, *, max_retries: int = 5, backoff_s: float = 1.0, timeout_s: float = 600.0):
+    def __init__(self, url: str, *, max_retries: int = 5, backoff_s: float = 1.0, timeout_s: float = 600.0,
+                 dead: Callable[[], str | None] | None = None):
         self.url = url.rstrip("/")
         self.max_retries, self.backoff_s, self.timeout_s = max_retries, backoff_s, timeout_s
+        self.dead = dead
         self._model: str | None = None
         self.served: dict = {}   # the served model's /v1/models entry: id, and with vLLM root (its path), max_model_len
 
@@ -79,6 +84,8 @@ class OpenAIClient:
                     raise RequestRefused(f"{method} {url}: {last}") from None
             except (urllib.error.URLError, OSError, ValueError) as err:   # refused, reset, timed out, torn
                 last = str(getattr(err, "reason", err))
+            if self.dead is not None and (death := self.dead()):
+                raise ServerDown(f"{method} {url}: {last}; not retried, the server is dead: {death}")
         attempts = f"{retries + 1} attempts failed, the last with: " if retries else ""
         raise ServerDown(f"{method} {url}: {attempts}{last}")
 

@@ -7,14 +7,17 @@ whose parent dies is adopted by init, out of anyone's reach. VllmServer therefor
 supervisor (the main environment's python, standard library only), in a session of its own and
 with SIGHUP as its parent-death signal, and the supervisor starts the command. Being a child
 subreaper, it adopts every process of the tree whose parent dies, so the tree is always its
-descendants. It stops them all, SIGTERM first and SIGKILL to those left after GRACE_S, when:
+descendants. It stops them all, SIGTERM first and SIGKILL to those left after the grace, when:
 - it gets SIGTERM or SIGINT (VllmServer.stop());
 - it gets SIGHUP: the kernel's word that the command that started it died, however it died (its
   parent pid may not have changed yet: another thread of the dying command adopts it first); the
   temporary log of --log-to-remove goes too, as no one is left to name it;
 - the command exits on its own (an API server that died leaves its engine running).
-It then exits with the command's status (128 + N for a signal N), or 128 + the signal that
-stopped it when the command was still running.
+The grace is GRACE_S once VllmServer said the server is ready (SIGUSR1; said in the log): a ready
+server drains its requests and frees its memory on SIGTERM. Before, there is nothing to drain, and
+vLLM starting up (loading, compiling) leaves SIGTERM unanswered: its tree would stay for the whole
+grace, so it gets STARTUP_GRACE_S. The supervisor then exits with the command's status (128 + N for
+a signal N), or 128 + the signal that stopped it when the command was still running.
 """
 from __future__ import annotations
 
@@ -28,7 +31,12 @@ from pathlib import Path
 from launcher.parent_death import become_subreaper, die_with_parent_preexec
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-LINE_PREFIX = "[supervisor "   # its lines in the server's log: what the server logs after one is the teardown's
+READY_SIGNAL = signal.SIGUSR1   # VllmServer's word that the server answers /health
+# Before ready: time for the processes that do answer SIGTERM (an engine core exits within a second)
+# to exit on their own, short next to any start-up.
+STARTUP_GRACE_S = 2.0
+LINE_PREFIX = "[supervisor "   # its lines in the server's log
+READY_WORDS = "the server is ready"   # of its line when told so; any other line of it starts the teardown
 
 
 class _Stopped(Exception):
@@ -38,6 +46,8 @@ class _Stopped(Exception):
 
 
 _interruptible = [True]   # while the server runs; the teardown is never interrupted
+_ready = [False]          # told by READY_SIGNAL
+_grace_s = [0.0]          # GRACE_S, for the ready line
 
 
 def _on_stop_signal(signum, frame) -> None:
@@ -46,8 +56,27 @@ def _on_stop_signal(signum, frame) -> None:
         raise _Stopped(signum)
 
 
+def _on_ready_signal(signum, frame) -> None:
+    if _interruptible[0] and not _ready[0]:
+        _ready[0] = True
+        _say(f"{READY_WORDS}: stopping it now gives its processes {_grace_s[0]:.0f} s to exit before SIGKILL")
+
+
 def _say(message: str) -> None:
-    print(f"{LINE_PREFIX}{os.getpid()}] {message}", flush=True)   # stdout is the server's log
+    # stdout is the server's log. os.write, not print: it is also called from a signal handler,
+    # where print's buffer may be in use by the interrupted code.
+    os.write(1, f"{LINE_PREFIX}{os.getpid()}] {message}\n".encode())
+
+
+def is_teardown_line(line: str) -> bool:
+    """Whether a line of the server's log is the supervisor saying the server exited or is being
+    stopped: what the server logs after it is the teardown's."""
+    return line.startswith(LINE_PREFIX) and READY_WORDS not in line
+
+
+def is_ready_line(line: str) -> bool:
+    """Whether a line of the server's log is the supervisor saying the server became ready."""
+    return line.startswith(LINE_PREFIX) and READY_WORDS in line
 
 
 def descendants(root: int) -> dict[int, str]:
@@ -125,11 +154,12 @@ def exit_code(status: int) -> int:
 def main(argv: list[str]) -> int:
     at = argv.index("--")
     options, command = argv[:at], argv[at + 1:]
-    grace_s = float(options[0])
+    grace_s = _grace_s[0] = float(options[0])
     log_to_remove = options[options.index("--log-to-remove") + 1] if "--log-to-remove" in options else None
     become_subreaper()
     for stop in _STOP_SIGNALS:
         signal.signal(stop, _on_stop_signal)
+    signal.signal(READY_SIGNAL, _on_ready_signal)
     statuses: dict[int, int] = {}
     server = None
     try:
@@ -148,7 +178,7 @@ def main(argv: list[str]) -> int:
         _say(f"stopping the server{f' (pid {server.pid})' if server else ''} and every process it started: {why}")
         if log_to_remove and parent_died:
             Path(log_to_remove).unlink(missing_ok=True)
-    stop_tree(grace_s, statuses)
+    stop_tree(grace_s if _ready[0] else min(grace_s, STARTUP_GRACE_S), statuses)
     return code
 
 

@@ -7,7 +7,8 @@ free loopback port, waits for `/health` (a timeout or an early exit raises with 
 server's log that matter), and stops it on exit. The server runs under a supervisor
 (launcher/serving/supervisor.py) that takes its whole process tree (API server, engine core, workers,
 resource tracker) along when this process stops it, when this process dies however it dies, and when
-the API server dies on its own, so no engine outlives the command that started it.
+the API server dies on its own, so no engine outlives the command that started it; once the server
+answers /health the supervisor is told, and a stopped server gets its grace to drain.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -105,21 +107,29 @@ def log_excerpt(text: str, *, errors: int = 8, tail: int = 5) -> str:
     """The lines of a server log that say why it stopped: each distinct exception or logged error,
     under the traceback frame it was raised in (the root cause often sits far above the end), the
     last `errors` of them, then the last `tail` lines, all from before the supervisor's line saying
-    the server exited or is being stopped (the errors after it are the teardown's own), and that line."""
+    the server exited or is being stopped (the errors after it are the teardown's own), and that line.
+    Of a server that became ready, only the lines after the supervisor's line saying so: an error
+    logged during its start-up did not stop it (vLLM's start-up compile logs some, e.g. an
+    AssertionError "Please convert all Tensors to FakeTensors" that it recovers from), so what
+    stopped it came later."""
     lines = text.splitlines()
-    end = next((k for k, line in enumerate(lines) if line.startswith(supervisor.LINE_PREFIX)), len(lines))
+    end = next((k for k, line in enumerate(lines) if supervisor.is_teardown_line(line)), len(lines))
+    ready = next((k for k, line in enumerate(lines[:end]) if supervisor.is_ready_line(line)), None)
+    start = 0 if ready is None else ready + 1
     messages = [(_PREFIX.match(line), line) for line in lines[:end]]
     messages = [(prefix.group("level"), line[prefix.end():]) for prefix, line in messages]
     groups: dict[str, list[int]] = {}   # an error's words (its last occurrence) -> its lines, frame first
-    for k, (level, message) in enumerate(messages):
+    for k, (level, message) in enumerate(messages[start:], start):
         in_traceback = message.startswith(("Traceback", " ", "File ", "^"))
         if _EXCEPTION.search(message) or (level in ("ERROR", "CRITICAL") and not in_traceback and message):
-            frame = next((j for j in range(k - 1, max(k - 6, -1), -1) if messages[j][1].lstrip().startswith("File ")),
-                         None)
+            frame = next((j for j in range(k - 1, max(k - 6, start - 1), -1)
+                          if messages[j][1].lstrip().startswith("File ")), None)
             groups.pop(message, None)
             groups[message] = [*(range(frame, min(frame + 2, k)) if frame is not None else ()), k]
     shown_lines = {k for group in list(groups.values())[-errors:] for k in group}
-    shown_lines |= set(range(max(end - tail, 0), min(end + 1, len(lines))))
+    shown_lines |= set(range(max(end - tail, start), min(end + 1, len(lines))))
+    if ready is not None:   # the reader sees where the lines read begin
+        shown_lines.add(ready)
     shown, last = [], -1
     for k in sorted(shown_lines):
         if k != last + 1:
@@ -162,6 +172,9 @@ class VllmServer:
         self.process: subprocess.Popen | None = None   # the supervisor, whose child is the server
         self.stopping = False   # stop() was called: whatever ends the server now is not its own death
         self._deadline = 0.0
+        self._exit_said: str | None = None   # the supervisor's line saying the server exited (gone())
+        self._log_read = 0                   # how far gone() read the log
+        self._log_lock = threading.Lock()    # gone() is asked from every thread whose request failed
         self.url = None
 
     def log_lines(self) -> str:
@@ -192,9 +205,11 @@ class VllmServer:
         self._deadline = time.monotonic() + self.startup_timeout_s
 
     def wait_ready(self) -> OpenAIClient:
-        """Wait for /health; an exit or the start-up timeout stops the server and raises with
-        the lines of its log that matter."""
-        client = OpenAIClient(self.url)
+        """Wait for /health and tell the supervisor the server is ready (from then on it has
+        stop_grace_s to exit when stopped); an exit or the start-up timeout stops the server and
+        raises with the lines of its log that matter. The client returned stops retrying a request
+        once the server is gone()."""
+        client = OpenAIClient(self.url, dead=self.gone)
         while not client.healthy():
             if self.process.poll() is not None:
                 self.keep_log = True   # the error names it
@@ -208,11 +223,32 @@ class VllmServer:
                 raise ServerError(f"vllm serve was not ready within {self.startup_timeout_s:.0f} s "
                                   f"(log {self.log_path}):\n{self.log_lines()}")
             time.sleep(1.0)
+        self.process.send_signal(supervisor.READY_SIGNAL)
         return client
 
     def start(self) -> OpenAIClient:
         self.launch()
         return self.wait_ready()
+
+    def gone(self) -> str | None:
+        """Without waiting: the supervisor's line saying the server exited on its own (read from the
+        log, on from where the last call stopped), or that the supervisor itself is gone; None while
+        the server runs and once this process stops it. A client asks it when a request fails: a
+        server gone is not asked again."""
+        if self.process is None or self.stopping:
+            return None
+        with self._log_lock:
+            if self._exit_said is None:
+                with contextlib.suppress(OSError), open(self.log_path, "rb") as log:
+                    log.seek(self._log_read)
+                    text = log.read()
+                    text = text[:text.rfind(b"\n") + 1]   # a line still being written is read whole next time
+                    self._log_read += len(text)
+                    self._exit_said = next((line for line in text.decode(errors="replace").splitlines()
+                                            if supervisor.is_teardown_line(line)), None)
+            if self._exit_said is None and self.process.poll() is not None:
+                self._exit_said = f"its supervisor exited ({exit_words(self.process.returncode)})"
+            return self._exit_said
 
     def died(self) -> str | None:
         """When the server stopped on its own (not by stop()), what says so: its exit code, its log and
