@@ -1,10 +1,12 @@
 """How fast `launcher.regenerate engine=hf` answers prompts on one GPU, against the decode floor.
 
     python scripts/regenerate_bench.py --out regenerate.json [--shape qwen3-8b --batches 16,64,256]
+    python scripts/regenerate_bench.py --shape smollm2-135m --batches 64,512 --caches dynamic,static
 
 The model is the target's full shape with random weights (no checkpoint is read; speed does not
 depend on weight values, and random weights never emit a stop token, so every row decodes exactly
-`--new-tokens`). Each row runs `launcher.regeneration.hf.generate` (one left-padded HF `generate` call, as
+`--new-tokens`). Each row, per KV cache (`--caches`: regenerate.hf_cache's dynamic, and static, whose
+decode step transformers compiles with CUDA graphs; its compile runs in an untimed first call), runs `launcher.regeneration.hf.generate` (one left-padded HF `generate` call, as
 regeneration makes it) on `batch` prompts of `--prompt-tokens` tokens, greedy, and reports new tokens
 per second, the time of one decode step (after the prefill, timed apart) and the step's floor: every
 weight and the batch's KV cache read once per step at the HBM bandwidth. A row faster than its floor
@@ -42,10 +44,11 @@ def decode_floor_s(model, batch: int, context: int) -> float:
     return (weight_bytes + kv_bytes) / (H200_HBM_TB_PER_S * 1e12)
 
 
-def timed(model, prompts, new_tokens: int, pad_id: int) -> float:
+def timed(model, prompts, new_tokens: int, pad_id: int, cache: str) -> float:
     from transformers import GenerationConfig
     gen_config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                  eos_token_id=None, pad_token_id=pad_id)
+                                  eos_token_id=None, pad_token_id=pad_id,
+                                  cache_implementation="static" if cache == "static" else None)
     torch.cuda.synchronize()
     start = time.perf_counter()
     rows = generate(model, prompts, gen_config, pad_id)
@@ -54,20 +57,20 @@ def timed(model, prompts, new_tokens: int, pad_id: int) -> float:
     return time.perf_counter() - start
 
 
-def row(model, batch: int, prompt_tokens: int, new_tokens: int) -> dict:
+def row(model, batch: int, prompt_tokens: int, new_tokens: int, cache: str) -> dict:
     gen = torch.Generator().manual_seed(batch)
     prompts = [Prompt(index=i, id=i, location="bench", messages=[],
                       token_ids=torch.randint(10, 1000, (prompt_tokens,), generator=gen).tolist())
                for i in range(batch)]
-    timed(model, prompts[:2], 2, pad_id=0)   # warm-up: cuBLAS handles, allocator
-    prefill_s = timed(model, prompts, 1, pad_id=0)
-    total_s = timed(model, prompts, new_tokens, pad_id=0)
+    timed(model, prompts, new_tokens, 0, cache)   # warm-up: cuBLAS handles, allocator, the static cache's compile
+    prefill_s = timed(model, prompts, 1, 0, cache)
+    total_s = timed(model, prompts, new_tokens, 0, cache)
     step_s = (total_s - prefill_s) / (new_tokens - 1)
     floor_s = decode_floor_s(model, batch, prompt_tokens + new_tokens // 2)
     if step_s < floor_s:
         raise SystemExit(f"batch {batch}: a decode step of {1e3 * step_s:.2f} ms beats its floor "
                          f"{1e3 * floor_s:.2f} ms: the timing is wrong")
-    return {"batch": batch, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+    return {"cache": cache, "batch": batch, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
             "tokens_per_s": batch * new_tokens / total_s, "prefill_ms": 1e3 * prefill_s,
             "decode_step_ms": 1e3 * step_s, "decode_floor_ms": 1e3 * floor_s, "of_floor": floor_s / step_s,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
@@ -79,14 +82,15 @@ def main() -> None:
     parser.add_argument("--batches", default="16,64,256")
     parser.add_argument("--prompt-tokens", type=int, default=1000)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--caches", default="dynamic", help="comma-separated: dynamic, static")
     parser.add_argument("--out")
     args = parser.parse_args()
     model = build_model(args.shape, torch.device("cuda"))
     rows = []
-    for batch in map(int, args.batches.split(",")):
-        rows.append(row(model, batch, args.prompt_tokens, args.new_tokens))
+    for cache, batch in [(c, int(b)) for c in args.caches.split(",") for b in args.batches.split(",")]:
+        rows.append(row(model, batch, args.prompt_tokens, args.new_tokens, cache))
         r = rows[-1]
-        print(f"batch {batch:4d}: {r['tokens_per_s']:8.0f} tokens/s, decode step {r['decode_step_ms']:6.1f} ms "
+        print(f"{cache:7s} batch {batch:4d}: {r['tokens_per_s']:8.0f} tokens/s, decode step {r['decode_step_ms']:6.1f} ms "
               f"(floor {r['decode_floor_ms']:.1f} ms, {r['of_floor']:.2f} of it), prefill {r['prefill_ms']:.0f} ms, "
               f"peak {r['peak_gib']:.1f} GiB", flush=True)
     if args.out:
