@@ -6,8 +6,8 @@
 The model is the target's full shape with random weights (no checkpoint is read; speed does not
 depend on weight values, and random weights never emit a stop token, so every row decodes exactly
 `--new-tokens`). Each row, per KV cache (`--caches`: regenerate.hf_cache's dynamic, and static, whose
-decode step transformers compiles with CUDA graphs; its compile runs in an untimed first call), runs `launcher.regeneration.hf.generate` (one left-padded HF `generate` call, as
-regeneration makes it) on `batch` prompts of `--prompt-tokens` tokens, greedy, and reports new tokens
+decode step transformers compiles with CUDA graphs; its compile runs in an untimed first call), runs
+`launcher.regeneration.hf.generate` (one left-padded HF `generate` call, as regeneration makes it) on `batch` prompts of `--prompt-tokens` tokens, greedy, and reports new tokens
 per second, the time of one decode step (after the prefill, timed apart) and the step's floor: every
 weight and the batch's KV cache read once per step at the HBM bandwidth. A row faster than its floor
 is a measurement bug and stops the bench."""
@@ -90,7 +90,8 @@ def main() -> None:
     for cache, batch in [(c, int(b)) for c in args.caches.split(",") for b in args.batches.split(",")]:
         rows.append(row(model, batch, args.prompt_tokens, args.new_tokens, cache))
         r = rows[-1]
-        print(f"{cache:7s} batch {batch:4d}: {r['tokens_per_s']:8.0f} tokens/s, decode step {r['decode_step_ms']:6.1f} ms "
+        print(f"{cache:7s} batch {batch:4d}: {r['tokens_per_s']:8.0f} tokens/s, "
+              f"decode step {r['decode_step_ms']:6.1f} ms "
               f"(floor {r['decode_floor_ms']:.1f} ms, {r['of_floor']:.2f} of it), prefill {r['prefill_ms']:.0f} ms, "
               f"peak {r['peak_gib']:.1f} GiB", flush=True)
     if args.out:

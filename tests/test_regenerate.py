@@ -71,7 +71,8 @@ def test_static_cache_answers_as_the_dynamic_cache_does(tiny_target_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
     prompts = encode_prompts(tokenizer, [Prompt(k, str(k), "", turns) for k, (_, turns)
                                          in enumerate(_bundled_conversations(4))], max_tokens=1 << 62)
-    assert len({len(p.token_ids) for p in prompts}) > 1 and max(len(p.token_ids) for p in prompts) % STATIC_WIDTH_MULTIPLE
+    widths = [len(p.token_ids) for p in prompts]
+    assert len(set(widths)) > 1 and max(widths) % STATIC_WIDTH_MULTIPLE   # padded, and left-padded within the batch
     answers = {}
     for cache in ("dynamic", "static"):
         section = OmegaConf.create({"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0, "hf_cache": cache})
