@@ -8,7 +8,8 @@ depend on weight values, and random weights never emit a stop token, so every ro
 `--new-tokens`). Each row, per KV cache (`--caches`: regenerate.hf_cache's dynamic, and static, whose
 decode step transformers compiles with CUDA graphs; its compile runs in an untimed first call), runs
 `launcher.regeneration.hf.generate` (one left-padded HF `generate` call, as regeneration makes it) on
-`batch` prompts of `--prompt-tokens` tokens, greedy, and reports new tokens per second, the time of one decode step (after the prefill, timed apart) and the step's floor: every
+`batch` prompts of `--prompt-tokens` tokens, greedy, and reports new tokens per second, the time of
+one decode step (after the prefill, timed apart) and the step's floor: every
 weight and the batch's KV cache read once per step at the HBM bandwidth. A row faster than its floor
 is a measurement bug and stops the bench."""
 from __future__ import annotations
