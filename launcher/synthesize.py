@@ -171,7 +171,7 @@ class HFSampler:
         self.model = AutoModelForCausalLM.from_pretrained(target_dir(cfg), dtype=dtype).requires_grad_(False).eval()
         self.model.to(device)
         self.opening, self.stops, self.pad_id, self.seed = opening, set(stop_ids), pad_id, s.seed
-        self.gen_config = generation_config(s, stop_ids, pad_id, device)
+        self.gen_config = generation_config(s, stop_ids, pad_id)
         self.round_size = s.batch_size
 
     def sample(self, start: int, wanted: list[int]) -> dict[int, Candidate]:

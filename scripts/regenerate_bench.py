@@ -5,8 +5,8 @@
 
 The model is the target's full shape with random weights (no checkpoint is read; speed does not
 depend on weight values, and random weights never emit a stop token, so every row decodes exactly
-`--new-tokens`). Each row, per KV cache (`--caches`: regenerate.hf_cache's dynamic, and static, whose
-decode step transformers compiles with CUDA graphs; its compile runs in an untimed first call), runs
+`--new-tokens`). Each row, per KV cache (`--caches`: dynamic, HF's default and what regeneration uses, and
+static, whose decode step transformers compiles with CUDA graphs; its compile runs in an untimed first call), runs
 `launcher.regeneration.hf.generate` (one left-padded HF `generate` call, as regeneration makes it) on
 `batch` prompts of `--prompt-tokens` tokens, greedy, and reports new tokens per second, the time of
 one decode step (after the prefill, timed apart) and the step's floor: every

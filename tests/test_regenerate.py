@@ -52,36 +52,6 @@ def test_torn_part_line_is_dropped_and_merge_keeps_input_order(tmp_path):
     assert [json.loads(text)["id"] for text in (tmp_path / "out.jsonl").read_text().splitlines()] == [0, 1, 2]
 
 
-def test_static_cache_answers_as_the_dynamic_cache_does(tiny_target_dir):
-    """regenerate.hf_cache=static (what a GPU gets by default, there with a compiled decode step) pads
-    prompts to a multiple of 64 and preallocates the cache; greedy answers must not change. (fp32:
-    the smallest top-1/top-2 logit gap on these prompts, ~3e-4, is far above a reordered sum's ~1e-6.)"""
-    from omegaconf import OmegaConf
-    from transformers import AutoModelForCausalLM
-
-    from dflash_core.data import load_tokenizer
-    from dflash_core.data.prompts import Prompt, encode_prompts
-    from launcher.regeneration.hf import STATIC_WIDTH_MULTIPLE, generate, generation_config, static_cache
-
-    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert [static_cache(s, cpu) for s in ("auto", "static", "dynamic")] == [False, True, False]
-    assert [static_cache(s, cuda) for s in ("auto", "static", "dynamic")] == [True, True, False]
-
-    tokenizer = load_tokenizer(tiny_target_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
-    prompts = encode_prompts(tokenizer, [Prompt(k, str(k), "", turns) for k, (_, turns)
-                                         in enumerate(_bundled_conversations(4))], max_tokens=1 << 62)
-    widths = [len(p.token_ids) for p in prompts]
-    assert len(set(widths)) > 1 and max(widths) % STATIC_WIDTH_MULTIPLE   # padded, and left-padded within the batch
-    answers = {}
-    for cache in ("dynamic", "static"):
-        section = OmegaConf.create({"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0, "hf_cache": cache})
-        config = generation_config(section, [tokenizer.eos_token_id], tokenizer.pad_token_id, cpu)
-        assert config.cache_implementation == (None if cache == "dynamic" else "static")
-        answers[cache] = generate(model, prompts, config, tokenizer.pad_token_id)
-    assert answers["static"] == answers["dynamic"] and all(len(row) == MAX_NEW_TOKENS for row in answers["static"])
-
-
 def test_sigterm_of_the_hf_engine_says_what_is_kept_and_keeps_it_for_the_rerun(tmp_path, tiny_target_dir):
     """Issue 46: SIGTERM (`timeout`, a job scheduler) of regenerate.engine=hf exited 143 saying nothing,
     where docs/regeneration.md promises every engine says what it keeps and how to resume."""

@@ -285,11 +285,6 @@ class EngineSettings(VllmServerSettings):
                             "429), with doubling waits; then the server counts as down", ge=0)
     retry_backoff_s: float = knob(1.0, "engine=vllm|openai: the first wait before a retry (doubled each time)", gt=0)
     request_timeout_s: float = knob(1800.0, "engine=vllm|openai: how long one request may take", gt=0)
-    hf_cache: str = knob("auto", "engine=hf: static: a preallocated KV cache, whose decode step transformers "
-                         "compiles with CUDA graphs on a GPU (a compile per new batch shape; prompt widths are "
-                         "padded to a multiple of 64 so batches share one) | dynamic: HF's growing cache, eager | "
-                         "auto: static on CUDA, dynamic on CPU (where nothing compiles it)",
-                         choices=("auto", "static", "dynamic"))
 
 
 @dataclass

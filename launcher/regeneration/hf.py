@@ -26,23 +26,10 @@ from launcher.resolve import compute_dtype, ensure_embedded_target, resolve_devi
 log = logging.getLogger("dflash")
 
 
-# With a static cache the prompt width is padded up to a multiple of this: the cache's length (width +
-# max_new_tokens) is part of the compiled decode step's shape, so batches of nearby widths share a graph.
-STATIC_WIDTH_MULTIPLE = 64
-
-
-def static_cache(setting: str, device) -> bool:
-    """<section>.hf_cache: `auto` is static on CUDA only. transformers compiles a static cache's decode
-    step on GPUs alone; on CPU the cache would just make every step attend over its full length."""
-    return setting == "static" or (setting == "auto" and device.type == "cuda")
-
-
-def generation_config(r: DictConfig, stop_ids: list[int], pad_id: int, device):
-    """Greedy or sampling as the section `r` (regenerate.*, synthesize.*) says, on `device`."""
+def generation_config(r: DictConfig, stop_ids: list[int], pad_id: int):
+    """Greedy or sampling as the section `r` (regenerate.*, synthesize.*) says."""
     from transformers import GenerationConfig
     common = {"max_new_tokens": r.max_new_tokens, "eos_token_id": stop_ids, "pad_token_id": pad_id}
-    if static_cache(r.hf_cache, device):
-        common["cache_implementation"] = "static"
     if r.temperature == 0:
         return GenerationConfig(do_sample=False, **common)
     # Every sampling knob is set, so the checkpoint's own defaults (Qwen3: top_k 20) do not leak in.
@@ -53,8 +40,6 @@ def generate(model, prompts: list[Prompt], gen_config, pad_id: int) -> list[list
     """The new tokens of each prompt: one left-padded generate() call for the whole batch."""
     import torch
     width = max(len(p.token_ids) for p in prompts)
-    if gen_config.cache_implementation == "static":
-        width = -(-width // STATIC_WIDTH_MULTIPLE) * STATIC_WIDTH_MULTIPLE
     # Left padding: every row's last prompt token sits at the same position, where generation starts.
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -167,14 +152,14 @@ def _answer(cfg: DictConfig, rank: int, world: int, device) -> int:
     with part_files.saying_what_is_kept(part, len(done) + len(mine), world):   # a signal says what is kept
         check_target_files(target_dir(cfg))
         dtype = compute_dtype(cfg.target.dtype, device, cpu=torch.bfloat16)
+        if rank == 0:
+            log.info("answering with %s in %s on %s (target.dtype=%s)", target_dir(cfg), dtype, device,
+                     cfg.target.dtype)
         model = AutoModelForCausalLM.from_pretrained(target_dir(cfg), dtype=dtype)
         model.requires_grad_(False).eval().to(device)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         stop_ids = stop_token_ids(tokenizer, model.generation_config, part_files.template_kwargs(cfg))
-        gen_config = generation_config(r, stop_ids, pad_id, device)
-        if rank == 0:
-            log.info("answering with %s in %s on %s (target.dtype=%s, %s KV cache)", target_dir(cfg), dtype, device,
-                     cfg.target.dtype, gen_config.cache_implementation or "dynamic")
+        gen_config = generation_config(r, stop_ids, pad_id)
         torch.manual_seed(r.seed + rank)
         # Longest first: batches of similar lengths pad little, and running out of memory shows up
         # in the first batch rather than hours in.
