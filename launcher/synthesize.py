@@ -215,9 +215,11 @@ def opened_sampler(cfg: DictConfig, opening: list[int], stop_ids: list[int], pad
     from launcher.regeneration.served import checked_urls, connected, started_servers
     from launcher.resolve import target_dir
     with contextlib.ExitStack() as stack:
-        servers = [] if s.engine == "openai" else \
-            stack.enter_context(started_servers(cfg, target_dir(cfg), "synthesize"))
-        urls = checked_urls(cfg, "synthesize") if s.engine == "openai" else [server.url for server in servers]
+        if s.engine == "openai":
+            servers, urls = [], checked_urls(cfg, "synthesize")
+        else:
+            servers = stack.enter_context(started_servers(cfg, target_dir(cfg), "synthesize"))
+            urls = [server.url for server in servers]
         yield ServedSampler(connected(urls, cfg, "synthesize", started=servers), s, opening, stop_ids)
 
 
