@@ -12,7 +12,7 @@ import torch
 from dflash_core.data import load_samples, read_records
 from dflash_core.data.prompts import prompt_messages
 from dflash_core.target.tiny import BUNDLED_DATASET
-from launcher.regeneration.parts import merge_parts, read_part
+from launcher.regeneration.parts import PartWriter, merge_parts, read_part
 from tests.launching import REPO, torchrun, wait_for
 
 NUM_PROMPTS, MAX_NEW_TOKENS = 16, 24
@@ -50,6 +50,19 @@ def test_torn_part_line_is_dropped_and_merge_keeps_input_order(tmp_path):
     assert (parts / "rank00000.jsonl").read_text() == line(2) + line(0)      # ready to append to again
     assert merge_parts(parts, 2, 5, tmp_path / "out.jsonl") == 3
     assert [json.loads(text)["id"] for text in (tmp_path / "out.jsonl").read_text().splitlines()] == [0, 1, 2]
+
+
+def test_answers_with_unicode_line_separators_survive_the_merge(tmp_path):
+    """An answer holding U+2028 or U+0085 (json.dumps leaves them unescaped) cut its record in two at
+    str.splitlines, and the merge dropped it and every answer after it: 369 of 8,000 kept on a GPU."""
+    parts = tmp_path / "out.jsonl.parts"
+    parts.mkdir()
+    texts = ["a\u2028b", "c\x85d", "e\u2029f\x1cg", "plain"]
+    with PartWriter(parts / "rank00000.jsonl") as writer:
+        for i, text in enumerate(texts):
+            writer.write(i, {"id": i, "text": text})
+    assert [record["text"] for record in read_part(parts / "rank00000.jsonl").values()] == texts
+    assert merge_parts(parts, 1, len(texts), tmp_path / "out.jsonl") == len(texts)
 
 
 def test_sigterm_of_the_hf_engine_says_what_is_kept_and_keeps_it_for_the_rerun(tmp_path, tiny_target_dir):

@@ -231,15 +231,18 @@ def read_part(file: Path) -> dict[int, dict]:
     """index -> output record; a torn last line (a crash mid-write) is dropped and the file rewritten."""
     if not file.is_file():
         return {}
-    done, lines = {}, file.read_text(encoding="utf-8").splitlines(keepends=True)
+    # Records end at "\n" only: json.dumps leaves U+2028, U+0085 and their kind unescaped in a model's
+    # text, where str.splitlines would cut a record (and everything after it would be dropped).
+    done, text = {}, file.read_text(encoding="utf-8")
+    lines = text.split("\n")[:-1]   # a last line without its "\n" is torn
     for line in lines:
         try:
             entry = json.loads(line)
             done[entry["index"]] = entry["record"]
         except (ValueError, KeyError, TypeError):
             break
-    if len(done) != len(lines):
-        file.write_text("".join(lines[:len(done)]), encoding="utf-8")
+    if len(done) != len(lines) or not text.endswith("\n") and text:
+        file.write_text("".join(line + "\n" for line in lines[:len(done)]), encoding="utf-8")
     return done
 
 
