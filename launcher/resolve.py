@@ -293,15 +293,18 @@ def check_step_device(cfg: DictConfig, device: torch.device) -> None:
                               f"torchao is not installed: {fp8.INSTALL_HINT}")
 
 
-def step_settings(drafter: DrafterSettings, backend: str, compiled: bool) -> StepSettings:
+def step_settings(drafter: DrafterSettings, backend: str, compiled: bool, device: torch.device) -> StepSettings:
     """The drafter step's settings from the `drafter` section, with the attention backend and
     compilation already resolved (and check_step_device passed); a null drafter.gamma is the block
-    size's default."""
+    size's default; matmul_precision=auto is bf16 on a GPU and fp32 on CPU."""
+    precision = drafter.matmul_precision
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "fp32"
     return StepSettings(num_anchors=drafter.num_anchors, loss=drafter.loss,
                         gamma=default_gamma(drafter.block_size) if drafter.gamma is None else drafter.gamma,
                         dpace_alpha=drafter.dpace_alpha, backend=backend, chunk_blocks=drafter.chunk_blocks,
                         feature_noise_std=drafter.feature_noise_std, compiled=compiled,
-                        matmul_precision=drafter.matmul_precision, fp8_recipe=drafter.fp8_recipe,
+                        matmul_precision=precision, fp8_recipe=drafter.fp8_recipe,
                         selector_weight=drafter.selector_weight, selector_detach=drafter.selector_detach)
 
 
@@ -326,7 +329,7 @@ def resolve(cfg: DictConfig, topology: Topology, device: torch.device) -> Job:
     typed = OmegaConf.to_object   # each section as the schema's dataclass
     data = data_settings(cfg, hf_config)
     return Job(topology=topology, device=device, target=target, drafter=dcfg,
-               step=step_settings(typed(cfg.drafter), backend, plan.compiled), compile=plan,
+               step=step_settings(typed(cfg.drafter), backend, plan.compiled, device), compile=plan,
                schedule=schedule(cfg, topology), tokenizer_dir=tokenizer_dir(cfg), packing=packed,
                data_sources=partial(dataset_paths, data.paths, "data.paths"), run=typed(cfg.run),
                train=typed(cfg.train), optim=typed(cfg.optim), data=data, channel=typed(cfg.channel),

@@ -8,7 +8,7 @@
 #   bash scripts/smollm2_gpu.sh OUT evaluate   the export (of the last checkpoint when training was stopped) and
 #                                              launcher.evaluate (HF engine) on held-out HumanEval and synthesised
 #                                              prompts; OUT gets the reports and the export as a tarball
-# CODE_PROMPTS=N adds N prompts synthesised under the system prompt CODE_SYSTEM (the Magpie method steered to code
+# CODE_PROMPTS=N adds N prompts synthesised under the system prompt CODE_SYSTEM (default: the Makefile's SMOLLM2_CODE_SYSTEM; the Magpie method steered to code
 # requests, none held out) and their answers, which training reads beside the chat set.
 # RECIPE (default smollm2_135m) and RUN (the run's directory name under $WORK/runs) train another drafter on the same
 # data, e.g. DFlash 2: RECIPE=smollm2_135m_dflash2 RUN=smollm2-gpu-d2 with DRAFTER's settings and
@@ -36,6 +36,8 @@ export PYTHONPATH=/tmp/site:$work
 # run started by this call is still reading (a second drafter trained beside the first on the one GPU).
 mkdir -p "$work"
 [ -n "${KEEP_CODE:-}" ] || { rm -rf "$work"/{launcher,dflash_core,conf,scripts} && cp -r launcher dflash_core conf scripts setup.cfg "$work"/; }
+# The code set's system prompt: make train TARGET=smollm2's.
+CODE_SYSTEM=${CODE_SYSTEM:-$(sed -n 's/^SMOLLM2_CODE_SYSTEM := //p' Makefile)}
 cd "$work" || exit 1
 # The drafter: 3 layers of the target's width, block 8 (the GPU verifies 8 tokens for about the cost of one),
 # 256 anchors a 512-token row, 4 rows a step; the recipe's layer ids and mask token.
@@ -44,7 +46,6 @@ DRAFTER=${DRAFTER:-"drafter.num_layers=3 drafter.block_size=8 drafter.num_anchor
 STEPS=${STEPS:-5000}
 REGEN_BATCH=${REGEN_BATCH:-2048}
 code_set=$([ "${CODE_PROMPTS:-0}" -gt 0 ] && echo .code)   # the suffix of the code set's files, when there is one
-CODE_SYSTEM=${CODE_SYSTEM:-"You are a Python programming assistant. Users ask you to write Python functions, explain code and fix bugs."}
 
 for s in "$@"; do case $s in
   data)

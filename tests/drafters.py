@@ -28,8 +28,11 @@ def qwen3_8b_drafter_config() -> DrafterConfig:
 
 def step_settings(drafter, *, backend: str = "sdpa", compiled: bool = False, **keys) -> StepSettings:
     """The config's default step settings (launcher/config/schema.py) for `drafter`'s block size, as
-    launcher/resolve.py builds them, with drafter.* `keys` overridden (sdpa, eager by default)."""
-    return resolved_step_settings(DrafterSettings(block_size=drafter.config.block_size, **keys), backend, compiled)
+    launcher/resolve.py builds them on the drafter's device, with drafter.* `keys` overridden (sdpa,
+    eager by default)."""
+    device = next(drafter.parameters()).device
+    return resolved_step_settings(DrafterSettings(block_size=drafter.config.block_size, **keys), backend, compiled,
+                                  device)
 
 
 def save_drafter_checkpoint(root, drafter, step: int, keep: int = 2):

@@ -54,11 +54,19 @@ def test_the_step_settings_carry_the_config_keys_names_and_resolved_values(tiny_
 
 
 def test_step_settings_refuse_an_unresolved_backend_and_an_unknown_loss():
-    settings = step_settings(DrafterSettings(), "sdpa", compiled=False)
+    settings = step_settings(DrafterSettings(), "sdpa", compiled=False, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="backend='auto': expected a resolved backend"):
         replace(settings, backend="auto")
     with pytest.raises(ValueError, match="loss='focal'"):
         replace(settings, loss="focal")
+
+
+def test_matmul_precision_auto_is_fp32_on_cpu_and_bf16_on_a_gpu_and_bf16_is_kept_on_cpu():
+    def dtype(setting, device):
+        return step_settings(DrafterSettings(matmul_precision=setting), "sdpa", compiled=False,
+                             device=torch.device(device)).compute_dtype
+    assert dtype("auto", "cpu") == torch.float32 and dtype("auto", "cuda") == torch.bfloat16
+    assert dtype("bf16", "cpu") == torch.bfloat16 and dtype("fp8", "cuda") == torch.bfloat16
 
 
 def _full_table(tmp_path, style, *specials):

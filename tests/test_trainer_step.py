@@ -100,3 +100,28 @@ def test_books_stop_after_max_bad_steps(tmp_path, caplog):
                                              r"\(run.max_bad_steps=2\)"):
         books.read(_InFlight(3, Done(True), [], 0.0, 1e-3))
     books.seq_log.close()
+
+
+def test_bf16_on_cpu_trains_on_bf16_copies_and_tracks_fp32(tiny_target_dir, trainer):
+    """drafter.matmul_precision=bf16 on CPU (issue 44: several times fp32's GEMM rate on CPUs with bf16
+    instructions): the layers' compute copies and the frozen head are bf16, the masters fp32, and a
+    fresh drafter's first loss is fp32's to within bf16's rounding. 0.05: the loss (about ln(vocab) = 7)
+    sums products rounded at 2^-8 relative through two layers and the head."""
+    from launcher.config import compose_config
+    from launcher.distributed.topology import Topology
+    from launcher.resolve import resolve
+    from launcher.roles.trainer import DrafterTrainer
+
+    def fresh(*overrides):   # the `trainer` fixture's process group; the same seed, so the same weights
+        cfg = compose_config([f"target.path={tiny_target_dir}", "target.build_tiny=false", "drafter=tiny",
+                              "run.device=cpu", f"data.fixed_length={SEQ_LEN}", "drafter.num_anchors=8", *overrides])
+        return DrafterTrainer(resolve(cfg, Topology(num_targets=0, num_drafters=1), torch.device("cpu")),
+                              dist.group.WORLD)
+
+    fp32, bf16 = fresh(), fresh("drafter.matmul_precision=bf16")
+    assert fp32.head.lm_head_weight.dtype == torch.float32 and fp32.drafter.fc.weight.dtype == torch.float32
+    assert bf16.head.lm_head_weight.dtype == torch.bfloat16 and bf16.drafter.fc.weight.dtype == torch.bfloat16
+    assert all(bucket.master.dtype == torch.float32 for bucket in bf16.optimizer.buckets)
+    results = [t.train_step([_batch(t, 7)]).result().counts for t in (fp32, bf16)]
+    losses = [float(c.loss_sum / c.weight_sum) for c in results]
+    assert abs(losses[0] - losses[1]) < 0.05, losses

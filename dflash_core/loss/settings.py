@@ -6,11 +6,13 @@ evaluate_tau receive it whole.
 """
 from dataclasses import dataclass
 
+import torch
+
 from ..drafter.attention import RESOLVED_BACKENDS
 from ..kernels.fp8 import FP8_RECIPES
 from .head_loss import LOSS_TYPES
 
-MATMUL_PRECISIONS = ("bf16", "fp8")
+MATMUL_PRECISIONS = ("fp32", "bf16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -23,10 +25,15 @@ class StepSettings:
     chunk_blocks: int          # blocks per LM-head chunk
     feature_noise_std: float   # Gaussian noise added to the target features while training
     compiled: bool             # drafter.compile resolved: the layers and the head loss through torch.compile
-    matmul_precision: str = "bf16"   # bf16 | fp8: the drafter's linear layers and the LM head's products
+    matmul_precision: str = "bf16"   # fp32 | bf16 | fp8: the drafter's linear layers and the LM head's products
     fp8_recipe: str = FP8_RECIPES[0]  # with fp8: torchao's recipe for the linear layers
     selector_weight: float = 1.0     # DFlash 2: the selector's K-way CE in the loss, relative to the unary CE
     selector_detach: bool = False    # DFlash 2: the selector term's gradient stops at the backbone
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the weights' compute copies, the frozen head and the autocast activations."""
+        return torch.float32 if self.matmul_precision == "fp32" else torch.bfloat16
 
     def __post_init__(self):
         if self.loss not in LOSS_TYPES:

@@ -89,7 +89,7 @@ class _DrafterThread(threading.Thread):
         # The config's default step settings with the spec's anchors, chunks and backend; eager.
         settings = step_settings(DrafterSettings(block_size=self.drafter.config.block_size,
                                                  num_anchors=spec["num_anchors"], chunk_blocks=spec["chunk_blocks"]),
-                                 spec["backend"], compiled=False)
+                                 spec["backend"], compiled=False, device=device)
         autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
         with torch.cuda.device(device) if cuda else contextlib.nullcontext():
             self.start_barrier.wait()

@@ -79,10 +79,14 @@ class DrafterSettings:
                         choices=("auto", "flex", "flash", "sdpa"))
     compile: Any = knob("auto", "torch.compile the layers and head loss: auto (flex at data.fixed_length)",
                         choices=AUTO_BOOL)
-    matmul_precision: str = knob("bf16", "bf16 | fp8: the training step's linear layers and frozen LM head products in "
-                                          "FP8 with row-wise scales (CUDA capability >= 8.9, the [fp8] extra); "
-                                          "master weights, optimiser, loss and held-out evaluation as in bf16",
-                                 choices=("bf16", "fp8"))
+    matmul_precision: str = knob("auto", "the training step's products: auto (bf16 on a GPU, fp32 on CPU) | bf16 (on "
+                                          "CPU too: fp32 masters, bf16 compute copies, frozen head and autocast "
+                                          "activations; several times fp32's GEMM rate on CPUs with bf16 "
+                                          "instructions, AVX512-BF16 or AMX) | fp8: the linear layers and frozen "
+                                          "LM head products in FP8 with row-wise scales (CUDA capability >= 8.9, "
+                                          "the [fp8] extra); master weights, optimiser, loss and held-out "
+                                          "evaluation as in bf16",
+                                 choices=("auto", "bf16", "fp8"))
     fp8_recipe: str = knob("rowwise_with_gw_hp", "with matmul_precision=fp8, torchao's recipe for the linear layers: "
                                                   "rowwise_with_gw_hp (row-wise scales; the weight gradient in bf16) | "
                                                   "rowwise (that one in FP8 too) | tensorwise (one scale per tensor)",

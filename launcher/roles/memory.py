@@ -46,7 +46,7 @@ def estimate(job: Job, shape: Shape) -> StepMemory:
     config = dataclasses.replace(job.drafter, block_size=shape.block_size)
     return step_memory(config, parameters=parameter_count(config), rows=shape.rows, seq_len=longest_row(job),
                        num_anchors=shape.num_anchors, chunk_blocks=job.step.chunk_blocks, backend=job.step.backend,
-                       compute_bytes=2 if job.device.type == "cuda" else 4, drafters=job.topology.num_drafters,
+                       compute_bytes=job.step.compute_dtype.itemsize, drafters=job.topology.num_drafters,
                        grad_accum=job.train.grad_accum,
                        tied_head=bool(getattr(text_config(job.target.hf_config), "tie_word_embeddings", False)),
                        head_in_place=job.step.compiled and job.device.type == "cuda")

@@ -29,7 +29,6 @@ from dflash_core.serving.export import load_exported
 from launcher.distributed.channel import HIDDEN_DTYPE, FeatureBatch
 from launcher.distributed.sharded_adamw import ShardedAdamW
 from launcher.job import Job, WarmStart
-from launcher.resolve import compute_dtype
 from launcher.roles.lr_schedule import lr_multiplier
 from launcher.run_io import checkpoint
 
@@ -86,7 +85,7 @@ class DrafterTrainer:
     def __init__(self, job: Job, group: dist.ProcessGroup):
         self.job, self.group = job, group
         self.device, self.dcfg, seed = job.device, job.drafter, job.run.seed
-        self.amp_dtype = compute_dtype("auto", self.device)
+        self.amp_dtype = job.step.compute_dtype
         torch.manual_seed(seed)
         self.drafter = build_drafter(self.dcfg).to(self.device)
         if job.target.random_weights:
@@ -112,9 +111,9 @@ class DrafterTrainer:
         return StepCounts.zeros(self.dcfg.block_size, self.device, selector=isinstance(self.dcfg, DFlash2Config))
 
     def autocast(self):
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=self.amp_dtype)
-        return contextlib.nullcontext()
+        if self.amp_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
     @property
     def tokens_seen(self) -> int:
