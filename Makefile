@@ -120,7 +120,7 @@ $(SMOLLM2_DATA)/humaneval.jsonl: | install
 $(SMOLLM2_DATA)/prompts.%.jsonl: $(SMOLLM2)/fetch.json
 	$(PYTHON) -m launcher.synthesize target=smollm2_135m target.dtype=bf16 synthesize.output=$@ \
 	  synthesize.engine=$(SMOLLM2_ENGINE) synthesize.max_new_tokens=96 synthesize.overwrite=true \
-	  $(if $(filter code,$*),synthesize.num_prompts=$(SMOLLM2_CODE_PROMPTS) 'synthesize.system_prompt=$(SMOLLM2_CODE_SYSTEM)',\
+	  $(if $(filter code,$*),synthesize.num_prompts=$(SMOLLM2_CODE_PROMPTS) "synthesize.system_prompt='$(SMOLLM2_CODE_SYSTEM)'",\
 	  synthesize.num_prompts=$$(( $(SMOLLM2_PROMPTS) + $(SMOLLM2_HELDOUT) )) synthesize.heldout=$(SMOLLM2_HELDOUT))
 
 # Their answers, with the token ids the target generated: what the drafter trains on. Both kept once built (make
