@@ -88,6 +88,7 @@ for s in "$@"; do case $s in
       > "$out/prepare.log" 2>&1 || { tail -20 "$out/prepare.log"; exit 1; }
     # UNTIL (epoch seconds): stop training then, whatever the answers and prepare above took of the call.
     [ -n "${UNTIL:-}" ] && TRAIN_S=$(( UNTIL - $(date +%s) ))
+    [ "${TRAIN_S:-480}" -ge 90 ] || { echo "train: ${TRAIN_S} s left, too few to start"; continue; }
     timeout ${TRAIN_S:-480} python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m launcher.train \
       recipe=$recipe "data.paths=[$paths]" run.dir=$run $DRAFTER train.steps=$STEPS \
       train.eval_every=1000 run.checkpoint_every=500 run.progress=false optim.lr=${LR:-1e-3} > "$out/train.log" 2>&1
