@@ -186,6 +186,35 @@ def test_a_failing_server_is_retried_then_counts_as_down(tmp_path, chats, tiny_t
     assert len(failing.requests) == 2
 
 
+def test_an_answer_torn_off_mid_body_is_a_failed_request_retried_then_down():
+    """A server killed while it sends an answer (CI saw vLLM's API server SIGKILLed mid-response) leaves the
+    body shorter than its Content-Length: http.client's IncompleteRead, which is no OSError. It is a failed
+    request like a reset connection: retried, then the server is down, saying why."""
+    from launcher.serving.openai_client import OpenAIClient, ServerDown
+
+    class Torn(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "969")
+            self.end_headers()
+            self.wfile.write(b'{"data": [')
+            self.close_connection = True
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Torn)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = OpenAIClient(f"http://127.0.0.1:{server.server_address[1]}", max_retries=1, backoff_s=0.0)
+        with pytest.raises(ServerDown, match=r"/v1/models: 2 attempts failed, the last with: "
+                                             r"IncompleteRead\(10 bytes read, 959 more expected\)"):
+            client._request("/v1/models")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_prompt_the_server_refuses_is_skipped_naming_it(tmp_path, chats, tiny_target_dir, capfd):
     server = FakeChatServer(refuse="question 3")
     output = tmp_path / "out.jsonl"

@@ -18,6 +18,7 @@ httpx retries only failed connects, so either would still need this retry loop.
 """
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -82,7 +83,9 @@ class OpenAIClient:
                 last = f"HTTP {err.code}: {err.read().decode(errors='replace')[:1000]}"
                 if 400 <= err.code < 500 and err.code != 429:
                     raise RequestRefused(f"{method} {url}: {last}") from None
-            except (urllib.error.URLError, OSError, ValueError) as err:   # refused, reset, timed out, torn
+            # Refused, reset, timed out, torn: a body cut short (a server killed mid-answer) is http.client's
+            # IncompleteRead, which is no OSError.
+            except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as err:
                 last = str(getattr(err, "reason", err))
             if self.dead is not None and (death := self.dead()):
                 raise ServerDown(f"{method} {url}: {last}; not retried, the server is dead: {death}")
