@@ -276,9 +276,10 @@ def config_differences(path, cfg):
     # config.json has no learn_k_norm (an export holds every layer's k_norm): its weights say. Ones fit a
     # drafter that learns k_norm and one that does not; trained ones only the first.
     fixed = fixed_weights(cfg)
-    with open_safetensors(path / WEIGHTS_NAME) as weights:
-        if any(not torch.equal(weights.get_tensor(name).float(), value) for name, value in fixed.items()):
-            differences.append(("learn_k_norm", True, False))
+    if fixed:
+        with open_safetensors(path / WEIGHTS_NAME) as weights:
+            if any(not torch.equal(weights.get_tensor(name).float(), value) for name, value in fixed.items()):
+                differences.append(("learn_k_norm", True, False))
     return differences
 
 
