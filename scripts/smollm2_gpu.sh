@@ -82,7 +82,8 @@ for s in "$@"; do case $s in
     cp $data/prompts.heldout.jsonl "$out/"
     answer_prompts ${REGEN_S:-400} ;;
   train)
-    answer_prompts 0 || exit 1   # what an earlier call's REGEN_S left unanswered, resumed
+    # What an earlier call's REGEN_S left unanswered, resumed (by UNTIL, when set, so the call ends in time).
+    answer_prompts $([ -n "${UNTIL:-}" ] && echo $(( UNTIL > $(date +%s) ? UNTIL - $(date +%s) : 1 )) || echo 0) || exit 1
     paths=$data/train.jsonl; [ -f $data/train.code.jsonl ] && paths=$paths,$data/train.code.jsonl
     python3 -m launcher.prepare recipe=$recipe "data.paths=[$paths]" $DRAFTER \
       > "$out/prepare.log" 2>&1 || { tail -20 "$out/prepare.log"; exit 1; }
