@@ -11,8 +11,10 @@
 #                                              gets it as a tarball
 #   bash scripts/smollm2_gpu.sh OUT evaluate   launcher.evaluate (HF engine) of the export on held-out HumanEval
 #                                              and synthesised prompts; OUT gets the reports
-# CODE_PROMPTS=N adds N prompts synthesised under the system prompt CODE_SYSTEM (default: the Makefile's SMOLLM2_CODE_SYSTEM; the Magpie method steered to code
-# requests, none held out) and their answers, which training reads beside the chat set.
+# PROMPTS (default 16016, 16 of them held out) chat prompts; CODE_PROMPTS (default 10000; 0: none) more synthesised
+# under the system prompt CODE_SYSTEM (default: the Makefile's SMOLLM2_CODE_SYSTEM; the Magpie method steered to code
+# requests, none held out), and their answers, which training reads beside the chat set. The defaults (and STEPS's)
+# are the README's SmolLM2 drafter: docs/perf_notes.md, "GPU size, third run", gives each stage's time on one H100.
 # RECIPE (default smollm2_135m) and RUN (the run's directory name under $WORK/runs) train another drafter on the same
 # data, e.g. DFlash 2: RECIPE=smollm2_135m_dflash2 RUN=smollm2-gpu-d2 with DRAFTER's settings and
 # "drafter.layer_types=[sliding_attention,sliding_attention,sliding_attention]" (one per layer).
@@ -47,10 +49,11 @@ cd "$work" || exit 1
 # 256 anchors a 512-token row, 4 rows a step; the recipe's layer ids and mask token.
 DRAFTER=${DRAFTER:-"drafter.num_layers=3 drafter.block_size=8 drafter.num_anchors=256 drafter.chunk_blocks=128
   train.micro_batch_size=4 data.fixed_length=512"}
-STEPS=${STEPS:-5000}
+STEPS=${STEPS:-7000}
 REGEN_BATCH=${REGEN_BATCH:-2048}
 # The suffix of the code set's files, when there is one (asked for now, or by an earlier call's data stage).
-code_set=$({ [ "${CODE_PROMPTS:-0}" -gt 0 ] || [ -f $data/prompts.code.jsonl ]; } && echo .code)
+CODE_PROMPTS=${CODE_PROMPTS:-10000}
+code_set=$({ [ "$CODE_PROMPTS" -gt 0 ] || [ -f $data/prompts.code.jsonl ]; } && echo .code)
 
 # The target's answers to each prompt set not answered yet (an interrupted regeneration resumes), each stopped
 # after $1 seconds (0: not stopped).
@@ -72,7 +75,7 @@ for s in "$@"; do case $s in
     # The chat set (16 held out) under the template's own system prompt; the code set (none held out) under CODE_SYSTEM.
     for set in "" $code_set; do
       [ -f $data/prompts$set.jsonl ] && continue
-      if [ -z "$set" ]; then extra="synthesize.num_prompts=${PROMPTS:-10016} synthesize.heldout=16"
+      if [ -z "$set" ]; then extra="synthesize.num_prompts=${PROMPTS:-16016} synthesize.heldout=16"
       else extra="synthesize.num_prompts=$CODE_PROMPTS"; fi
       python3 -m launcher.synthesize target=smollm2_135m target.dtype=bf16 synthesize.output=$data/prompts$set.jsonl \
         synthesize.engine=hf synthesize.max_new_tokens=96 synthesize.batch_size=$REGEN_BATCH $extra \
