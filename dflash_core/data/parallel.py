@@ -7,8 +7,10 @@ the samples, their order and the statistics are the same whatever the number of 
 (records.py: bad rows counted or refused there), so the main process only finds line ends; other
 formats are read by the main process and dealt out as records. The pool
 starts workers with `spawn` (a fork would copy the Rust tokenizer's thread pool and the caller's
-threads); each worker gets the tokenizer once, pickled, at start. Small sources stay in-process:
-starting workers costs seconds.
+threads); each worker reads the tokenizer once at start, unpickled from a file the pool's owner
+wrote: handed over as an initializer argument, its megabytes would fill the pipe a spawned process
+reads only after importing the caller's main module, so the workers would start one after another.
+Small sources stay in-process: starting workers costs seconds.
 """
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ import itertools
 import mmap
 import multiprocessing
 import os
+import pickle
 import sys
+import tempfile
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -147,10 +151,21 @@ class ChunkTokenizer:
 _WORKER: ChunkTokenizer | None = None
 
 
-def _start_worker(tokenizer, settings: dict) -> None:
+def _start_worker(state_path: str) -> None:
+    """Builds this worker's ChunkTokenizer from the (tokenizer, settings) pickled at state_path by the
+    pool's owner, this process's parent."""
     global _WORKER
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one process, one core: the pool is the parallelism
-    _WORKER = ChunkTokenizer(tokenizer, settings)
+    with open(state_path, "rb") as f:
+        _WORKER = ChunkTokenizer(*pickle.load(f))
+
+
+def _write_worker_state(directory: str, tokenizer, settings: dict) -> str:
+    """The path of (tokenizer, settings) pickled into directory, for _start_worker."""
+    path = os.path.join(directory, "worker_state.pkl")
+    with open(path, "wb") as f:
+        pickle.dump((tokenizer, settings), f, protocol=pickle.HIGHEST_PROTOCOL)
+    return path
 
 
 def _run_in_worker(path: str, first: int, items: list) -> tuple[Chunk, dict, tuple | None]:
@@ -294,8 +309,9 @@ def tokenize_source(path: Path, tokenizer, settings: dict, *, num_proc: int = 1,
                     yield merge(*work(str(path), first, items), len(items))
                 return
             context = multiprocessing.get_context("spawn")
-            with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
-                                     initargs=(tokenizer, settings)) as pool:
+            with tempfile.TemporaryDirectory(prefix="dflash-tokenize-") as scratch, \
+                    ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
+                                        initargs=(_write_worker_state(scratch, tokenizer, settings),)) as pool:
                 if by_lines:
                     tasks = ((_read_lines_in_worker, (str(path), start, end, line), lines)
                              for start, end, line, lines in ranges)
