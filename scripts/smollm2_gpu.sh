@@ -100,6 +100,11 @@ for s in "$@"; do case $s in
     # UNTIL (epoch seconds): stop training then, whatever the answers and prepare above took of the call.
     [ -n "${UNTIL:-}" ] && TRAIN_S=$(seconds_left)
     [ "${TRAIN_S:-480}" -ge 90 ] || { echo "train: ${TRAIN_S} s left, too few to start"; continue; }
+    # STEPS_PER_S (a rate assumed, not measured): a new run's STEPS is what that rate fits in the seconds left, less a
+    # minute for start-up, compiling and held-out evaluations; a resumed run keeps its STEPS (the schedule counts them).
+    if [ -n "${STEPS_PER_S:-}" ] && [ ! -d $run/checkpoints ]; then
+      STEPS=$(( (${TRAIN_S:-480} - 60) * STEPS_PER_S )); echo "train: $STEPS steps at the assumed $STEPS_PER_S steps/s"
+    fi
     timeout ${TRAIN_S:-480} python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m launcher.train \
       recipe=$recipe "data.paths=[$paths]" run.dir=$run $DRAFTER train.steps=$STEPS \
       train.eval_every=1000 run.checkpoint_every=500 run.progress=false optim.lr=${LR:-1e-3} > "$out/train.log" 2>&1
