@@ -11,7 +11,7 @@
 #                                              gets it as a tarball
 #   bash scripts/smollm2_gpu.sh OUT evaluate   launcher.evaluate (HF engine) of the export on held-out HumanEval
 #                                              and synthesised prompts; OUT gets the reports
-#   bash scripts/smollm2_gpu.sh OUT pack       the data stage's prompts and answers as OUT/data.txz.* (15 MB parts,
+#   bash scripts/smollm2_gpu.sh OUT pack       the data stage's prompts and answers (finished or not) as OUT/data.txz.* (15 MB parts,
 #                                              each a file a device call can bring back); DATA_PARTS=DIR (a folder
 #                                              holding such parts, carried in) makes a later session's data stage
 #                                              unpack them instead of synthesising and answering again
@@ -133,7 +133,8 @@ for s in "$@"; do case $s in
       echo "evaluate $set: exit $?"; tail -22 "$out/evaluate.$set.log"
     done ;;
   pack)
-    (cd $data && tar -cf - *.jsonl) | xz -T0 -3 | split -b 15M - "$out/data.txz." || exit 1
+    # An unfinished regeneration's parts too: the next data or train stage resumes them.
+    (cd $data && tar -cf - *.jsonl $(ls -d *.parts 2>/dev/null)) | xz -T0 -3 | split -b 15M - "$out/data.txz." || exit 1
     ls -l "$out"/data.txz.* ;;
   *) echo "unknown stage $s"; exit 2 ;;
 esac; done
