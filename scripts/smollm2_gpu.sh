@@ -11,10 +11,11 @@
 #                                              gets it as a tarball
 #   bash scripts/smollm2_gpu.sh OUT evaluate   launcher.evaluate (HF engine) of the export on held-out HumanEval
 #                                              and synthesised prompts; OUT gets the reports
-#   bash scripts/smollm2_gpu.sh OUT pack       the data stage's prompts and answers (finished or not) as OUT/data.txz.* (15 MB parts,
-#                                              each a file a device call can bring back); DATA_PARTS=DIR (a folder
-#                                              holding such parts, carried in) makes a later session's data stage
-#                                              unpack them instead of synthesising and answering again
+#   bash scripts/smollm2_gpu.sh OUT pack       the data stage's prompts and answers (an unfinished regeneration's
+#                                              parts too) as OUT/data.txz.*, 15 MB parts a device call can bring
+#                                              back; DATA_PARTS=DIR (a folder holding such parts, carried in) makes a
+#                                              later session's data stage unpack them instead of synthesising and
+#                                              answering again
 # PROMPTS (default 16016, 16 of them held out) chat prompts; CODE_PROMPTS (default 10000; 0: none) more synthesised
 # under the system prompt CODE_SYSTEM (default: the Makefile's SMOLLM2_CODE_SYSTEM; the Magpie method steered to code
 # requests, none held out), and their answers, which training reads beside the chat set. The defaults (and STEPS's)
