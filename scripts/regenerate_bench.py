@@ -2,6 +2,7 @@
 
     python scripts/regenerate_bench.py --out regenerate.json [--shape qwen3-8b --batches 16,64,256]
     python scripts/regenerate_bench.py --shape smollm2-135m --batches 64,512 --caches dynamic,static
+    python scripts/regenerate_bench.py --shape smollm2-135m --batches 2048 --new-tokens 256 --ranks 1,2,4
 
 The model is the target's full shape with random weights (no checkpoint is read; speed does not
 depend on weight values, and random weights never emit a stop token, so every row decodes exactly
@@ -11,7 +12,12 @@ static, whose decode step transformers compiles with CUDA graphs; its compile ru
 `batch` prompts of `--prompt-tokens` tokens, greedy, and reports new tokens per second, the time of
 one decode step (after the prefill, timed apart) and the step's floor: every
 weight and the batch's KV cache read once per step at the HBM bandwidth. A row faster than its floor
-is a measurement bug and stops the bench."""
+is a measurement bug and stops the bench.
+
+`--ranks R` splits each batch over R processes sharing the GPU, as `torchrun --nproc-per-node R -m
+launcher.regenerate` places them on one GPU: each answers batch / R prompts, all starting together,
+and the row's time is the slowest one's. A host-bound decode step (HF's dynamic cache launches about
+1,000 kernels a step) then overlaps R hosts' launches on the one GPU; its floor counts R weight copies."""
 from __future__ import annotations
 
 import argparse
@@ -35,12 +41,14 @@ def build_model(shape: str, device: torch.device):
     return model.requires_grad_(False).eval()
 
 
-def decode_floor_s(model, batch: int, context: int) -> float:
-    """Seconds per decode step if each weight and every cached key and value were read once at HBM speed."""
+def decode_floor_s(model, batch: int, context: int, ranks: int = 1) -> float:
+    """Seconds per decode step if each rank's weights and every cached key and value were read once at
+    HBM speed."""
     config = model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if not config.tie_word_embeddings:   # the embedding table is gathered, not read whole
         weight_bytes -= model.get_input_embeddings().weight.numel() * 2
+    weight_bytes *= ranks
     kv_bytes = batch * context * config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 2
     return (weight_bytes + kv_bytes) / (H200_HBM_TB_PER_S * 1e12)
 
@@ -58,23 +66,54 @@ def timed(model, prompts, new_tokens: int, pad_id: int, cache: str) -> float:
     return time.perf_counter() - start
 
 
-def row(model, batch: int, prompt_tokens: int, new_tokens: int, cache: str) -> dict:
+def rank_times(shape: str, batch: int, prompt_tokens: int, new_tokens: int, cache: str, barrier=None) -> tuple:
+    """(prefill seconds, whole-call seconds, peak GiB) of one process answering `batch` prompts; with a
+    barrier, every timed call starts when all the processes sharing the GPU are ready for it."""
+    model = build_model(shape, torch.device("cuda"))
     gen = torch.Generator().manual_seed(batch)
     prompts = [Prompt(index=i, id=i, location="bench", messages=[],
                       token_ids=torch.randint(10, 1000, (prompt_tokens,), generator=gen).tolist())
                for i in range(batch)]
+    wait = barrier.wait if barrier is not None else (lambda: None)
     timed(model, prompts, new_tokens, 0, cache)   # warm-up: cuBLAS handles, allocator, the static cache's compile
+    wait()
     prefill_s = timed(model, prompts, 1, 0, cache)
+    wait()
     total_s = timed(model, prompts, new_tokens, 0, cache)
+    return prefill_s, total_s, torch.cuda.max_memory_allocated() / 2**30
+
+
+def _rank_worker(results, barrier, *args) -> None:
+    results.put(rank_times(*args, barrier=barrier))
+
+
+def row(model, shape: str, batch: int, prompt_tokens: int, new_tokens: int, cache: str, ranks: int) -> dict:
+    if ranks == 1:
+        prefill_s, total_s, peak_gib = rank_times(shape, batch, prompt_tokens, new_tokens, cache)
+    else:
+        import torch.multiprocessing as mp
+        context = mp.get_context("spawn")   # CUDA in each child: never forked
+        results, barrier = context.Queue(), context.Barrier(ranks)
+        workers = [context.Process(target=_rank_worker, args=(results, barrier, shape, batch // ranks, prompt_tokens,
+                                                              new_tokens, cache)) for _ in range(ranks)]
+        for worker in workers:
+            worker.start()
+        times = [results.get() for _ in workers]
+        for worker in workers:
+            worker.join()
+        # Each rank's timed calls began together: the row takes as long as its slowest rank.
+        prefill_s, total_s = max(t[0] for t in times), max(t[1] for t in times)
+        peak_gib = sum(t[2] for t in times)
+        batch = ranks * (batch // ranks)
     step_s = (total_s - prefill_s) / (new_tokens - 1)
-    floor_s = decode_floor_s(model, batch, prompt_tokens + new_tokens // 2)
+    floor_s = decode_floor_s(model, batch, prompt_tokens + new_tokens // 2, ranks)
     if step_s < floor_s:
         raise SystemExit(f"batch {batch}: a decode step of {1e3 * step_s:.2f} ms beats its floor "
                          f"{1e3 * floor_s:.2f} ms: the timing is wrong")
-    return {"cache": cache, "batch": batch, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+    return {"cache": cache, "batch": batch, "ranks": ranks, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
             "tokens_per_s": batch * new_tokens / total_s, "prefill_ms": 1e3 * prefill_s,
             "decode_step_ms": 1e3 * step_s, "decode_floor_ms": 1e3 * floor_s, "of_floor": floor_s / step_s,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+            "peak_gib": peak_gib}
 
 
 def main() -> None:
@@ -84,14 +123,16 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=1000)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--caches", default="dynamic", help="comma-separated: dynamic, static")
+    parser.add_argument("--ranks", default="1", help="comma-separated: processes sharing the GPU per row")
     parser.add_argument("--out")
     args = parser.parse_args()
-    model = build_model(args.shape, torch.device("cuda"))
+    model = build_model(args.shape, torch.device("meta"))   # the shape's sizes for the floor; each row builds its own
     rows = []
-    for cache, batch in [(c, int(b)) for c in args.caches.split(",") for b in args.batches.split(",")]:
-        rows.append(row(model, batch, args.prompt_tokens, args.new_tokens, cache))
+    for cache, batch, ranks in [(c, int(b), int(r)) for c in args.caches.split(",") for b in args.batches.split(",")
+                                for r in args.ranks.split(",")]:
+        rows.append(row(model, args.shape, batch, args.prompt_tokens, args.new_tokens, cache, ranks))
         r = rows[-1]
-        print(f"{cache:7s} batch {batch:4d}: {r['tokens_per_s']:8.0f} tokens/s, "
+        print(f"{cache:7s} batch {batch:4d}, {ranks} rank(s): {r['tokens_per_s']:8.0f} tokens/s, "
               f"decode step {r['decode_step_ms']:6.1f} ms "
               f"(floor {r['decode_floor_ms']:.1f} ms, {r['of_floor']:.2f} of it), prefill {r['prefill_ms']:.0f} ms, "
               f"peak {r['peak_gib']:.1f} GiB", flush=True)

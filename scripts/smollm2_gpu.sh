@@ -25,7 +25,10 @@
 # "drafter.layer_types=[sliding_attention,sliding_attention,sliding_attention]" (one per layer).
 # REGEN_BATCH (default 2048): prompts per HF generate() call in synthesis and regeneration. HF's decode step costs about
 # the same host time at 512 rows as at 2048 for a 135M target, so the rate grows with the batch (docs/perf_notes.md,
-# "The HF engine's decode rate on a GPU").
+# "The HF engine's decode rate on a GPU"). REGEN_RANKS (default 1): regeneration's processes side by side on the one GPU
+# (torchrun), REGEN_BATCH / REGEN_RANKS prompts each: HF's decode step is paced by the host's kernel launches, which
+# several processes overlap (scripts/regenerate_bench.py --ranks measures it). Keep it between calls: an interrupted
+# regeneration resumes only with the same ranks and batch.
 # UNTIL (epoch seconds, a device call's end): answers and training stop then, wherever they are (answers resume and
 # training continues from its last checkpoint in the next call). Without it the data stage's answers stop after
 # REGEN_S (default 400) seconds per prompt set and training after TRAIN_S (default 480).
@@ -59,6 +62,7 @@ DRAFTER=${DRAFTER:-"drafter.num_layers=3 drafter.block_size=8 drafter.num_anchor
   train.micro_batch_size=4 data.fixed_length=512"}
 STEPS=${STEPS:-7000}
 REGEN_BATCH=${REGEN_BATCH:-2048}
+REGEN_RANKS=${REGEN_RANKS:-1}
 CODE_PROMPTS=${CODE_PROMPTS:-10000}
 
 # Seconds from now to UNTIL (epoch seconds).
@@ -71,9 +75,10 @@ answer_prompts() {
   for set in "" $([ -f $data/prompts.code.jsonl ] && echo .code); do
     [ -f $data/train$set.jsonl ] && continue
     limit=$1; [ -n "${UNTIL:-}" ] && { limit=$(seconds_left); [ $limit -gt 0 ] || limit=1; }
-    timeout $limit python3 -m launcher.regenerate target=smollm2_135m target.dtype=bf16 \
-      regenerate.input=$data/prompts$set.jsonl regenerate.output=$data/train$set.jsonl regenerate.engine=hf \
-      regenerate.max_new_tokens=256 regenerate.batch_size=$REGEN_BATCH >> "$out/regenerate$set.log" 2>&1
+    timeout $limit python3 -m torch.distributed.run --standalone --nproc-per-node $REGEN_RANKS -m launcher.regenerate \
+      target=smollm2_135m target.dtype=bf16 regenerate.input=$data/prompts$set.jsonl \
+      regenerate.output=$data/train$set.jsonl regenerate.engine=hf regenerate.max_new_tokens=256 \
+      regenerate.batch_size=$((REGEN_BATCH / REGEN_RANKS)) >> "$out/regenerate$set.log" 2>&1
     status=$?; echo "regenerate$set: exit $status"; tail -c 700 "$out/regenerate$set.log"
     [ $status = 0 ] || return $status
   done
