@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import queue
 import time
 
 import torch
@@ -98,7 +99,16 @@ def row(model, shape: str, batch: int, prompt_tokens: int, new_tokens: int, cach
                                                               new_tokens, cache)) for _ in range(ranks)]
         for worker in workers:
             worker.start()
-        times = [results.get() for _ in workers]
+        times = []
+        while len(times) < ranks:
+            try:
+                times.append(results.get(timeout=5))
+            except queue.Empty:   # a rank that died (out of memory, say) leaves the others at the barrier
+                if any(worker.exitcode not in (None, 0) for worker in workers):
+                    for worker in workers:
+                        worker.kill()
+                    raise SystemExit(f"batch {batch}, {ranks} ranks: exit codes "
+                                     f"{[worker.exitcode for worker in workers]}; the failing rank's error is above")
         for worker in workers:
             worker.join()
         # Each rank's timed calls began together: the row takes as long as its slowest rank.
