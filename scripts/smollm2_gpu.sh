@@ -64,8 +64,6 @@ STEPS=${STEPS:-7000}
 # TOPOLOGY (default t1d1): training's target and drafter ranks, all on the one GPU; t2d1 gives a target paced by its
 # host's kernel launches a second process. Keep it between calls: a run resumes with its own topology.
 TOPOLOGY=${TOPOLOGY:-t1d1}
-[[ $TOPOLOGY =~ ^t([0-9]+)d([0-9]+)$ ]] || { echo "TOPOLOGY=$TOPOLOGY: not t<targets>d<drafters>"; exit 2; }
-train_ranks=$(( BASH_REMATCH[1] + BASH_REMATCH[2] ))
 REGEN_BATCH=${REGEN_BATCH:-2048}
 REGEN_RANKS=${REGEN_RANKS:-1}
 CODE_PROMPTS=${CODE_PROMPTS:-10000}
@@ -124,6 +122,9 @@ for s in "$@"; do case $s in
     if [ -n "${STEPS_PER_S:-}" ] && [ ! -d $run/checkpoints ]; then
       STEPS=$(( (${TRAIN_S:-480} - 60) * STEPS_PER_S )); echo "train: $STEPS steps at the assumed $STEPS_PER_S steps/s"
     fi
+    # The launcher's own parser says how many processes the topology needs (and refuses a malformed one).
+    train_ranks=$(python3 -c "import sys; from launcher.distributed.topology import parse_topology
+print(parse_topology(sys.argv[1], None).world_size)" "$TOPOLOGY") || exit 2
     timeout ${TRAIN_S:-480} python3 -m torch.distributed.run --standalone --nproc-per-node $train_ranks -m launcher.train \
       recipe=$recipe topology=$TOPOLOGY "data.paths=[$paths]" run.dir=$run $DRAFTER train.steps=$STEPS \
       train.eval_every=1000 run.checkpoint_every=500 run.progress=false optim.lr=${LR:-1e-3} > "$out/train.log" 2>&1
