@@ -353,20 +353,21 @@ def test_no_process_of_a_started_vllm_server_outlives_regenerate(tiny_target_dir
 
 
 def _end_each_way(runs: dict, tmp_path: Path) -> None:
-    trees, supervisors = {}, {}
-    for ending, (command, output) in runs.items():   # mid-run: answers on disk, more to come
+    trees = {}
+    # Each run is ended as soon as it is seen mid-run (answers on disk, more to come): a run left waiting while
+    # the others catch up could finish its prompts first, and then there would be nothing left to stop.
+    for ending, (command, output) in runs.items():
         deadline = time.monotonic() + 1200
         while _answered(output) < 2 and command.poll() is None and time.monotonic() < deadline:
             time.sleep(0.5)
         err = (tmp_path / f"{ending.replace(' ', '_')}.err").read_text()
         assert command.poll() is None and _answered(output) >= 2, f"{ending}: not mid-run:\n{err[-3000:]}"
-        supervisors[ending] = _supervisor_of(command.pid)
+        supervisor = _supervisor_of(command.pid)
         # The API server (the supervisor's child), its engine core, the engine's worker, the resource tracker.
-        complete_tree(supervisors[ending], ("VLLM::EngineCore", "VLLM::Worker", "resource_tracker"))
-        trees[ending] = server_tree(supervisors[ending])
-    for ending, (command, _) in runs.items():
+        complete_tree(supervisor, ("VLLM::EngineCore", "VLLM::Worker", "resource_tracker"))
+        trees[ending] = server_tree(supervisor)
         if ending == "server died":   # the API server, not what it started
-            os.kill(_process_named(supervisors[ending], SERVER_MODULE), signal.SIGKILL)
+            os.kill(_process_named(supervisor, SERVER_MODULE), signal.SIGKILL)
         else:
             command.send_signal(getattr(signal, ending))
     for ending, (command, output) in runs.items():
