@@ -82,3 +82,13 @@ class Job:
     fault: FaultSettings
     cfg: DictConfig              # the whole composed config, only for what records it (checkpoints' meta.json)
     init_from: WarmStart | None = None   # the export the drafter's weights start from (none: random)
+    start_from_target: bool = False      # drafter.init=target: its layers start as the target's last ones
+
+    def start_record(self) -> dict | None:
+        """Where the drafter's weights start, as provenance and the model card record it (None: random)."""
+        if self.init_from is not None:
+            return self.init_from.record()
+        if self.start_from_target:
+            from dflash_core.drafter.from_target import copied_layers
+            return {"target_layers": copied_layers(self.drafter)}
+        return None

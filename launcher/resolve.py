@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash_core.drafter.attention import FLEX_BACKENDS, resolve_backend
 from dflash_core.drafter.dflash2 import DFLASH_CONFIG_KEYS as DFLASH2_KEYS
-from dflash_core.drafter.dflash2 import DFlash2Config
+from dflash_core.drafter.dflash2 import DFlash2Config, build_drafter
 from dflash_core.drafter.model import DrafterConfig, default_target_layer_ids
 from dflash_core.loss.objective import default_gamma
 from dflash_core.loss.settings import StepSettings
@@ -201,6 +201,23 @@ def warm_start(cfg: DictConfig, dcfg: DrafterConfig) -> WarmStart | None:
     return WarmStart(path.resolve(), weights_digest(path))
 
 
+def check_target_start(cfg: DictConfig, dcfg: DrafterConfig, path: Path) -> None:
+    """drafter.init=target checked on every rank before anything loads: the target's last layers exist in
+    its checkpoint with the drafter's layers' shapes (else a ConfigError saying which differ)."""
+    from dflash_core.drafter.from_target import check_target_start as check
+    if cfg.drafter.init != "target" or cfg.drafter.init_from is not None:
+        return
+    if cfg.target.random_weights:
+        raise ConfigError("drafter.init=target copies the target's trained layers, but target.random_weights=true "
+                          "draws them at random: set drafter.init=random")
+    with torch.device("meta"):   # the shapes alone
+        shapes = {name: list(param.shape) for name, param in build_drafter(dcfg).named_parameters()}
+    try:
+        check(dcfg, path, shapes)
+    except (ValueError, KeyError) as exc:
+        raise ConfigError(f"drafter.init=target: {path}: {exc.args[0]}; set drafter.init=random") from None
+
+
 def tokenizer_dir(cfg: DictConfig) -> Path:
     return Path(cfg.data.tokenizer) if cfg.data.tokenizer else target_dir(cfg)
 
@@ -317,6 +334,7 @@ def resolve(cfg: DictConfig, topology: Topology, device: torch.device) -> Job:
     hf_config = AutoConfig.from_pretrained(path)
     dcfg = drafter_config(cfg, hf_config)
     init_from = warm_start(cfg, dcfg)
+    check_target_start(cfg, dcfg, path)
     backend = resolve_backend(cfg.drafter.backend, device)
     log.info("attention backend %s (drafter.backend=%s)", backend, cfg.drafter.backend)
     plan = compile_plan(cfg, backend, device, hf_config)
@@ -333,4 +351,5 @@ def resolve(cfg: DictConfig, topology: Topology, device: torch.device) -> Job:
                schedule=schedule(cfg, topology), tokenizer_dir=tokenizer_dir(cfg), packing=packed,
                data_sources=partial(dataset_paths, data.paths, "data.paths"), run=typed(cfg.run),
                train=typed(cfg.train), optim=typed(cfg.optim), data=data, channel=typed(cfg.channel),
-               fault=typed(cfg.fault), cfg=cfg, init_from=init_from)
+               fault=typed(cfg.fault), cfg=cfg, init_from=init_from,
+               start_from_target=cfg.drafter.init == "target" and init_from is None)

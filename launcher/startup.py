@@ -162,7 +162,7 @@ def start_process(cfg: DictConfig, overrides: list[str], topo: Topology, env: Pr
     progress.stage("resolving")
     job = resolve(cfg, topo, device)
     check_memory(job, layout, env.rank)   # before anything loads: a shape too large is refused, not OOM-killed
-    record = provenance(overrides, layout, job.init_from.record() if job.init_from else None)
+    record = provenance(overrides, layout, job.start_record())
     job, start_step, resume_from = _resume_point(job, env, topo.lead_drafter, run_dir, groups.control, progress)
     if env.rank == 0:   # only once the run may go on: a refused resume leaves the run's own record as it was
         (run_dir / "config.yaml").write_text(config_yaml(cfg))

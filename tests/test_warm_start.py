@@ -238,7 +238,7 @@ def test_launched_warm_start_records_its_origin_and_resume_takes_precedence(tiny
     assert json.loads((run_dir / "provenance.json").read_text())["init_from"] == origin
     assert read_card_info(run_dir / "export")["init_from"] == origin
     card = (run_dir / "export" / "README.md").read_text()
-    assert f"| Initial weights (drafter.init_from) | the export {origin['path']}" in card
+    assert f"| Initial weights (drafter.init_from, drafter.init) | the export {origin['path']}" in card
     assert "drafter weights from" in (run_dir / "logs" / "drafter1.log").read_text()
 
     resumed = torchrun(2, *base, "train.steps=4")   # the run's own checkpoint wins over init_from

@@ -83,6 +83,37 @@ def load_safetensors(path) -> dict[str, torch.Tensor]:
         return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (a safe_open handle is not a dict)
 
 
+def tensor_files(directory) -> dict[str, Path]:
+    """{tensor name: safetensors file} of a checkpoint directory, single-file or sharded."""
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise bad_file(index, "has no weight_map (tensor name -> shard file)")
+        return {name: directory / shard for name, shard in weight_map.items()}
+    single = directory / "model.safetensors"
+    if single.is_file():
+        with open_safetensors(single) as f:
+            return dict.fromkeys(f.keys(), single)
+    raise FileNotFoundError(f"{directory} has no model.safetensors or model.safetensors.index.json")
+
+
+def read_tensor(files: dict[str, Path], name: str) -> torch.Tensor:
+    """One tensor of a checkpoint, from tensor_files()' map."""
+    with open_safetensors(files[name]) as f:
+        return f.get_tensor(name)
+
+
+def tensor_shapes(files: dict[str, Path], names) -> dict[str, list[int]]:
+    """The shapes of some of a checkpoint's tensors, from the files' headers (no tensor read)."""
+    shapes = {}
+    for name in names:
+        with open_safetensors(files[name]) as f:
+            shapes[name] = f.get_slice(name).get_shape()
+    return shapes
+
+
 def check_safetensors(path) -> None:
     """Open only the header of a safetensors file: catches a truncated or corrupt file (the header
     records the byte length of the tensor data) without reading any tensor."""

@@ -13,32 +13,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..files.readers import bad_file, open_safetensors, read_json
+from ..files.readers import read_json, read_tensor, tensor_files
 from ..kernels.fp8 import Fp8HeadWeight
 
 EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
 LM_HEAD_KEY = "lm_head.weight"
 
 
-def _tensor_files(target_dir):
-    """{tensor name: safetensors file} for a single-file or sharded checkpoint."""
-    index = target_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise bad_file(index, "has no weight_map (tensor name -> shard file)")
-        return {name: target_dir / shard for name, shard in weight_map.items()}
-    single = target_dir / "model.safetensors"
-    if single.is_file():
-        with open_safetensors(single) as f:
-            return dict.fromkeys(f.keys(), single)
-    raise FileNotFoundError(f"{target_dir} has no model.safetensors or "
-                            f"model.safetensors.index.json")
-
-
-def _read(files, name):
-    with open_safetensors(files[name]) as f:
-        return f.get_tensor(name)
+def decoder_prefix(files):
+    """Where the checkpoint keeps its decoder ("model." or "model.language_model."), from its embed_tokens."""
+    embed_key = next((key for key in EMBED_KEYS if key in files), None)
+    if embed_key is None:
+        raise KeyError(f"none of {EMBED_KEYS} among the checkpoint's {len(files)} tensors")
+    return embed_key.removesuffix("embed_tokens.weight")
 
 
 class FrozenTargetHead(nn.Module):
@@ -69,18 +56,19 @@ class FrozenTargetHead(nn.Module):
     @classmethod
     def from_target_dir(cls, path, *, device=None, dtype=None):
         target_dir = Path(path)
-        files = _tensor_files(target_dir)
-        embed_key = next((key for key in EMBED_KEYS if key in files), None)
-        if embed_key is None:
-            raise KeyError(f"{target_dir}: none of {EMBED_KEYS} among {len(files)} tensors")
+        files = tensor_files(target_dir)
+        try:
+            embed_key = decoder_prefix(files) + "embed_tokens.weight"
+        except KeyError as exc:
+            raise KeyError(f"{target_dir}: {exc.args[0]}") from None
         config_file = target_dir / "config.json"
         config = read_json(config_file) if config_file.is_file() else {}
         tied = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings",
                                                                                    LM_HEAD_KEY not in files))
         if not tied and LM_HEAD_KEY not in files:
             raise KeyError(f"{target_dir}: no {LM_HEAD_KEY} and tie_word_embeddings is false")
-        embed = _read(files, embed_key).to(device=device, dtype=dtype)
-        lm_head = embed if tied else _read(files, LM_HEAD_KEY).to(device=device, dtype=dtype)
+        embed = read_tensor(files, embed_key).to(device=device, dtype=dtype)
+        lm_head = embed if tied else read_tensor(files, LM_HEAD_KEY).to(device=device, dtype=dtype)
         return cls(embed, lm_head)
 
     @classmethod

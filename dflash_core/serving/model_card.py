@@ -22,7 +22,7 @@ _INFO_KEY = "dflash_training"
 FIELDS = {
     "target": "Target model",
     "data": "Training data",
-    "init_from": "Initial weights (drafter.init_from)",
+    "init_from": "Initial weights (drafter.init_from, drafter.init)",
     "steps": "Optimiser steps",
     "tokens_seen": "Training tokens seen",
     "heldout_tau": "Held-out tau (speculative decoding of held-out data simulated during training)",
@@ -48,7 +48,8 @@ ACCEPTANCE_KEYS = {"hf": "acceptance_length", "vllm": "served_acceptance_length"
 def _eval_key(key: str) -> str:
     return key.replace("_length", "_eval")   # acceptance_eval, served_acceptance_eval
 PROVENANCE = "provenance"          # dict: code version, torch / transformers / CUDA / NCCL versions, ...
-INIT_FROM = "init_from"            # dict {"path", "weights_sha256"} of the export training started from, or None
+INIT_FROM = "init_from"            # dict {"path", "weights_sha256"} of the export training started from, or
+                                   # {"target_layers"} copied (drafter.init=target), or None
 TARGET_IDENTITY = "target_identity"  # dict: the target's model_type and config.json digest (target_identity())
 _SHOWN_ELSEWHERE = (PROVENANCE, TARGET_IDENTITY, *map(_eval_key, ACCEPTANCE_KEYS.values()))
 # config.json keys that differ between copies of one model (who saved it, with what, in which dtype).
@@ -57,7 +58,7 @@ _COPY_KEYS = ("_name_or_path", "transformers_version", "torch_dtype", "dtype")
 
 def write_model_card(out_dir, info):
     """Write (or replace, atomically) out_dir/README.md from `info`, a plain JSON-able dict with
-    any of: target, data (list of files), init_from (dict: path, weights_sha256), steps, tokens_seen,
+    any of: target, data (list of files), init_from (dict: path, weights_sha256; or target_layers), steps, tokens_seen,
     heldout_tau, acceptance_length, acceptance_eval (dict), command (str or argv list), provenance
     (dict), target_identity (dict, target_identity(): what later evaluations check the target against). The architecture
     comes from out_dir/config.json when it is there."""
@@ -179,6 +180,8 @@ def _training_value(key, info):
         how = ", ".join(f"{k} {_format(v)}" for k, v in sorted(info[_eval_key(key)].items()))
         return f"{_format(value)} ({how})"
     if key == INIT_FROM and key in info:
+        if value and "target_layers" in value:
+            return f"the target's layers {', '.join(map(str, value['target_layers']))} (drafter.init=target)"
         return (f"the export {_cell(value['path'])} (model.safetensors sha256 `{value['weights_sha256']}`)" if value
                 else "random (trained from scratch)")
     if key == "command" and value:

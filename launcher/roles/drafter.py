@@ -81,7 +81,7 @@ def _card(ctx: Context, trainer: DrafterTrainer, last_eval: dict | None) -> dict
             "heldout_tau": last_eval["decode_tau"] if last_eval else None,
             "heldout_anchor_tau": last_eval["tau"] if last_eval else None,
             **{card: last_eval[key] for key, card in SELECTOR_FIGURES.items() if last_eval and key in last_eval},
-            INIT_FROM: ctx.job.init_from.record() if ctx.job.init_from else None,
+            INIT_FROM: ctx.job.start_record(),
             "command": ctx.provenance["launcher_command"] or ctx.provenance["command"],
             "provenance": card_provenance(ctx.provenance)}
 
@@ -192,6 +192,9 @@ def run_drafter(ctx: Context, sink: MetricsSink | None) -> DrafterStats:
         trainer.start_from(job.init_from)
         log.info("drafter weights from %s (model.safetensors sha256 %s)", job.init_from.path,
                  job.init_from.weights_sha256)
+    elif job.start_from_target:
+        layers = trainer.start_from_target(job.target.path)
+        log.info("drafter layers from the target's layers %s (drafter.init=target)", layers)
     compile_s = _warm_up(ctx, trainer)   # the warm-up, or else the first step: when this process compiles
     graphs_before_stream = compile_count()
     ctx.progress.meet("stream")

@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dflash_core.drafter import dflash2
+from dflash_core.drafter import dflash2, from_target
 from dflash_core.drafter.dflash2 import DFlash2Config, build_drafter
 from dflash_core.drafter.model import DFlashDrafter, fixed_weights
 from dflash_core.kernels import fp8
@@ -155,6 +155,15 @@ class DrafterTrainer:
         fixed = fixed_weights(self.dcfg)   # ones in the export (resolve.warm_start checked), not trained here
         weights = {name: value for name, value in exported.state_dict().items() if name not in fixed}
         self.optimizer.load_model_state_dict(weights, keep=new_parts)
+
+    def start_from_target(self, target_dir) -> list[int]:
+        """The drafter's layers from the target's last ones (drafter.init=target; resolve checked the shapes);
+        DFlash 2's convolutions and selector keep their identity start. Returns the target layers copied."""
+        names = [name for name, _ in self.drafter.named_parameters()]
+        self.optimizer.load_model_state_dict(from_target.target_start(self.dcfg, target_dir, names),
+                                             keep=dflash2.parameter_names(self.dcfg)
+                                             if isinstance(self.dcfg, DFlash2Config) else ())
+        return from_target.copied_layers(self.dcfg)
 
     def restore(self, path, group: dist.ProcessGroup | None) -> None:
         """Continue the checkpoint at `path`, whatever drafter count wrote it: this rank's shard is read

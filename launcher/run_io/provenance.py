@@ -70,8 +70,8 @@ def _command() -> str:
 
 
 def provenance(overrides: list[str], layout: list[dict], init_from: dict | None = None) -> dict:
-    """init_from: where the drafter's initial weights came from (WarmStart.record(): the export's path and
-    the sha256 of its weights); None: a random initialisation."""
+    """init_from: where the drafter's initial weights came from (Job.start_record(): the export's path and
+    the sha256 of its weights, or the target layers copied); None: a random initialisation."""
     return {"command": _command(), "launcher_command": _launcher_command(),
             "overrides": list(overrides), "code": code_version(), "versions": library_versions(),
             "hosts": sorted({r["host"] for r in layout}), "ranks": layout, "init_from": init_from}
