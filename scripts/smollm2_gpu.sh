@@ -58,8 +58,8 @@ CODE_SYSTEM=${CODE_SYSTEM:-$(sed -n 's/^SMOLLM2_CODE_SYSTEM := //p' Makefile)}
 cd "$work" || exit 1
 # The drafter: 3 layers of the target's width, block 8 (the GPU verifies 8 tokens for about the cost of one),
 # 256 anchors a 512-token row, 4 rows a step; the recipe's mask token. From random weights and the layer ids the
-# third run measured: the recipe's drafter.init=target and its ids for it (the CPU size's) are not measured at this
-# size yet.
+# third run measured: the recipe's drafter.init=target (the CPU size's start) held out no better after 1,000 steps
+# here (docs/perf_notes.md, "A drafter that starts as the target's last layers").
 DRAFTER=${DRAFTER:-"drafter.num_layers=3 drafter.block_size=8 drafter.num_anchors=256 drafter.chunk_blocks=128
   train.micro_batch_size=4 data.fixed_length=512 drafter.init=random drafter.target_layer_ids=[1,10,18,27]"}
 STEPS=${STEPS:-7000}
