@@ -5,10 +5,10 @@ copies of the target's last k decoder layers: the ones that turn the target's re
 the next token's logits, through the final norm and LM head the drafter shares. The context starts
 as the first copied layer reads it: fc passes the captured feature nearest that layer's input through
 unchanged (the very input where the target layer ids include the layer before it), and hidden_norm is
-that layer's input norm. The drafter
-normalises queries and keys per head where a Llama target does not, so q_norm and k_norm start at 1
-unless the target has its own. Trained from there, a small drafter learns faster than from random
-weights (docs/perf_notes.md, "A drafter that starts as the target's last layers").
+that layer's input norm. The drafter normalises queries and keys per head where a Llama target does
+not, so q_norm and k_norm start at 1 unless the target has its own. Trained from there, a drafter is
+ahead of one from random weights over its first few hundred steps; over thousands the start stops
+mattering (docs/perf_notes.md, "A drafter that starts as the target's last layers").
 """
 
 import torch
