@@ -205,8 +205,6 @@ def check_target_start(cfg: DictConfig, dcfg: DrafterConfig, path: Path) -> None
     """drafter.init=target checked on every rank before anything loads: the target's last layers exist in
     its checkpoint with the drafter's layers' shapes (else a ConfigError saying which differ)."""
     from dflash_core.drafter.from_target import check_target_start as check
-    if cfg.drafter.init != "target" or cfg.drafter.init_from is not None:
-        return
     if cfg.target.random_weights:
         raise ConfigError("drafter.init=target copies the target's trained layers, but target.random_weights=true "
                           "draws them at random: set drafter.init=random")
@@ -334,7 +332,9 @@ def resolve(cfg: DictConfig, topology: Topology, device: torch.device) -> Job:
     hf_config = AutoConfig.from_pretrained(path)
     dcfg = drafter_config(cfg, hf_config)
     init_from = warm_start(cfg, dcfg)
-    check_target_start(cfg, dcfg, path)
+    start_from_target = cfg.drafter.init == "target" and init_from is None   # a warm start takes precedence
+    if start_from_target:
+        check_target_start(cfg, dcfg, path)
     backend = resolve_backend(cfg.drafter.backend, device)
     log.info("attention backend %s (drafter.backend=%s)", backend, cfg.drafter.backend)
     plan = compile_plan(cfg, backend, device, hf_config)
@@ -352,4 +352,4 @@ def resolve(cfg: DictConfig, topology: Topology, device: torch.device) -> Job:
                data_sources=partial(dataset_paths, data.paths, "data.paths"), run=typed(cfg.run),
                train=typed(cfg.train), optim=typed(cfg.optim), data=data, channel=typed(cfg.channel),
                fault=typed(cfg.fault), cfg=cfg, init_from=init_from,
-               start_from_target=cfg.drafter.init == "target" and init_from is None)
+               start_from_target=start_from_target)

@@ -46,8 +46,8 @@ def test_the_drafter_starts_as_the_targets_last_layers(tiny_target_dir, world):
             assert torch.equal(value, theirs[f"model.layers.{layer}.{name}"].float()), f"layers.{i}.{name}"
     assert torch.equal(drafter.norm.weight, theirs["model.norm.weight"].float())
 
-    # The context's keys are the first copied layer's own keys for the same tokens: fc passes the deepest
-    # captured feature (that layer's input) through and hidden_norm is that layer's input norm.
+    # The context's keys are the first copied layer's own keys for the same tokens: fc passes the captured
+    # feature at that layer's input through and hidden_norm is that layer's input norm.
     target = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
     seen = {}
     first = target.model.layers[copied_layers(dcfg)[0]].self_attn

@@ -125,9 +125,10 @@ class DrafterSettings:
     selector_detach: bool = knob(False, "dflash2: the selector term's gradient stops at the backbone (it trains the "
                                         "codebooks and hidden projection only)")
     init: str = knob("random", "random | target: the drafter's layers start as copies of the target's last "
-                               "num_layers decoder layers, fc passing the deepest captured feature through and the "
-                               "final norm the target's (dflash_core/drafter/from_target.py); drafter.init_from, "
-                               "when set, takes precedence", choices=("random", "target"))
+                               "num_layers decoder layers, fc passing the captured feature nearest the first copied "
+                               "layer's input through and the final norm the target's "
+                               "(dflash_core/drafter/from_target.py); drafter.init_from, when set, takes precedence",
+                     choices=("random", "target"))
     init_from: Optional[str] = knob(None, "warm start: a DFlash export directory (launcher.export's, or z-lab's: "
                                           "config.json + model.safetensors) whose weights the drafter starts from; "
                                           "its shape must equal this drafter's; the optimiser starts fresh. A "
