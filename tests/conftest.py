@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import tokenizers
 import torch
+import torch.distributed as dist
 import transformers
 
 import dflash_core.target.tiny as tiny
@@ -50,6 +51,14 @@ def pytest_configure(config):
 def tiny_target_dir():
     """Directory of the tiny locally built Qwen3 target (tokenizer + briefly pretrained weights)."""
     return _build_tiny_target()
+
+
+@pytest.fixture(scope="module")
+def world():
+    """A gloo process group of this process alone: what a DrafterTrainer built in a test reduces over."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

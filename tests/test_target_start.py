@@ -5,7 +5,6 @@ import shutil
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from dflash_core.drafter.from_target import copied_layers, target_start
@@ -16,13 +15,6 @@ from launcher.roles.trainer import DrafterTrainer
 from tests.launching import tiny_overrides, torchrun
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def world():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def _job(target, *overrides):

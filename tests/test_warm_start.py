@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from dflash_core.loss.objective import drafter_step, evaluate_tau
 from dflash_core.serving.export import WEIGHTS_NAME, export_drafter, load_exported
@@ -22,13 +21,6 @@ from tests.launching import tiny_overrides, torchrun
 
 SEQ_LEN = 64
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def world():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def _job(tiny_target_dir, *overrides):
