@@ -16,19 +16,19 @@
 #                                              back; DATA_PARTS=DIR (a folder holding such parts, carried in) makes a
 #                                              later session's data stage unpack them instead of synthesising and
 #                                              answering again
-# PROMPTS (default 16016, 16 of them held out) chat prompts; CODE_PROMPTS (default 10000; 0: none) more synthesised
+# PROMPTS (default 24016, 16 of them held out) chat prompts; CODE_PROMPTS (default 16000; 0: none) more synthesised
 # under the system prompt CODE_SYSTEM (default: the Makefile's SMOLLM2_CODE_SYSTEM; the Magpie method steered to code
 # requests, none held out), and their answers, which training reads beside the chat set. The defaults (and STEPS's)
-# are the README's SmolLM2 drafter: docs/perf_notes.md, "GPU size, third run", gives each stage's time on one H100.
+# are the README's SmolLM2 drafter, four device calls on one H100 (docs/perf_notes.md, "GPU size, fourth run"): the
+# wheel's first half; `data pack` with UNTIL 505 s on (the code set's answers left to the next call); `train` with
+# UNTIL 540 s on; `train export` with UNTIL 325 s on (training resumes from its last checkpoint).
 # RECIPE (default smollm2_135m) and RUN (the run's directory name under $WORK/runs) train another drafter on the same
 # data, e.g. DFlash 2: RECIPE=smollm2_135m_dflash2 RUN=smollm2-gpu-d2 with DRAFTER's settings and
 # "drafter.layer_types=[sliding_attention,sliding_attention,sliding_attention]" (one per layer).
 # REGEN_BATCH (default 2048): prompts per HF generate() call in synthesis and regeneration. HF's decode step costs about
 # the same host time at 512 rows as at 2048 for a 135M target, so the rate grows with the batch (docs/perf_notes.md,
-# "The HF engine's decode rate on a GPU"). REGEN_RANKS (default 1): regeneration's processes side by side on the one GPU
-# (torchrun), REGEN_BATCH / REGEN_RANKS prompts each: HF's decode step is paced by the host's kernel launches, which
-# several processes overlap (scripts/regenerate_bench.py --ranks measures it). Keep it between calls: an interrupted
-# regeneration resumes only with the same ranks and batch.
+# "The HF engine's decode rate on a GPU"; one process: several side by side on the one GPU answer slower). Keep it
+# between calls: an interrupted regeneration resumes only with the same batch.
 # UNTIL (epoch seconds, a device call's end): answers and training stop then, wherever they are (answers resume and
 # training continues from its last checkpoint in the next call). Without it the data stage's answers stop after
 # REGEN_S (default 400) seconds per prompt set and training after TRAIN_S (default 480).
@@ -62,13 +62,12 @@ cd "$work" || exit 1
 # here (docs/perf_notes.md, "A drafter that starts as the target's last layers").
 DRAFTER=${DRAFTER:-"drafter.num_layers=3 drafter.block_size=8 drafter.num_anchors=256 drafter.chunk_blocks=128
   train.micro_batch_size=4 data.fixed_length=512 drafter.init=random drafter.target_layer_ids=[1,10,18,27]"}
-STEPS=${STEPS:-7000}
+STEPS=${STEPS:-21000}
 # TOPOLOGY (default t1d1): training's target and drafter ranks, all on the one GPU; t2d1 gives a target paced by its
 # host's kernel launches a second process. Keep it between calls: a run resumes with its own topology.
 TOPOLOGY=${TOPOLOGY:-t1d1}
 REGEN_BATCH=${REGEN_BATCH:-2048}
-REGEN_RANKS=${REGEN_RANKS:-1}
-CODE_PROMPTS=${CODE_PROMPTS:-10000}
+CODE_PROMPTS=${CODE_PROMPTS:-16000}
 
 # Seconds from now to UNTIL (epoch seconds).
 seconds_left() { echo $(( UNTIL - $(date +%s) )); }
@@ -80,10 +79,10 @@ answer_prompts() {
   for set in "" $([ -f $data/prompts.code.jsonl ] && echo .code); do
     [ -f $data/train$set.jsonl ] && continue
     limit=$1; [ -n "${UNTIL:-}" ] && { limit=$(seconds_left); [ $limit -gt 0 ] || limit=1; }
-    timeout $limit python3 -m torch.distributed.run --standalone --nproc-per-node $REGEN_RANKS -m launcher.regenerate \
+    timeout $limit python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m launcher.regenerate \
       target=smollm2_135m target.dtype=bf16 regenerate.input=$data/prompts$set.jsonl \
       regenerate.output=$data/train$set.jsonl regenerate.engine=hf regenerate.max_new_tokens=256 \
-      regenerate.batch_size=$((REGEN_BATCH / REGEN_RANKS)) >> "$out/regenerate$set.log" 2>&1
+      regenerate.batch_size=$REGEN_BATCH >> "$out/regenerate$set.log" 2>&1
     status=$?; echo "regenerate$set: exit $status"; tail -c 700 "$out/regenerate$set.log"
     [ $status = 0 ] || return $status
   done
@@ -100,7 +99,7 @@ for s in "$@"; do case $s in
     # The chat set (16 held out) under the template's own system prompt; the code set (none held out) under CODE_SYSTEM.
     for set in "" $([ "$CODE_PROMPTS" -gt 0 ] && echo .code); do
       [ -f $data/prompts$set.jsonl ] && continue
-      if [ -z "$set" ]; then extra="synthesize.num_prompts=${PROMPTS:-16016} synthesize.heldout=16"
+      if [ -z "$set" ]; then extra="synthesize.num_prompts=${PROMPTS:-24016} synthesize.heldout=16"
       else extra="synthesize.num_prompts=$CODE_PROMPTS"; fi
       python3 -m launcher.synthesize target=smollm2_135m target.dtype=bf16 synthesize.output=$data/prompts$set.jsonl \
         synthesize.engine=hf synthesize.max_new_tokens=96 synthesize.batch_size=$REGEN_BATCH $extra \

@@ -109,7 +109,8 @@ def test_dflash2_matches_vllms_convolution_candidates_and_lattice(tmp_path):
     mismatched = ours["candidate_ids"] != theirs["candidate_ids"]
     if mismatched.any():
         differences.append(f"unary top-K, {slot_candidate(*mismatched.nonzero()[0].tolist())}: "
-                           f"project {ours['candidate_ids'][mismatched][0]}, vLLM {theirs['candidate_ids'][mismatched][0]}")
+                           f"project {ours['candidate_ids'][mismatched][0]}, "
+                           f"vLLM {theirs['candidate_ids'][mismatched][0]}")
     else:
         differences.append(first_difference(ours["scores"], theirs["scores"], "selector lattice", slot_candidate))
     differences = [d for d in differences if d]

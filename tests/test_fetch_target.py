@@ -118,7 +118,8 @@ def test_build_is_cached_and_never_replaces_another_directory(tiny_gguf, tmp_pat
     monkeypatch.syspath_prepend(str(package.parent))
     out = tmp_path / "target"
     monkeypatch.setitem(MODELS, "smollm2_135m_instruct", PackagedModel(
-        Package("tiny-gguf-package", "==0", "tiny_gguf_package", with_deps=False), path.name, Package("gguf", ">=0.10", "gguf"),
+        Package("tiny-gguf-package", "==0", "tiny_gguf_package", with_deps=False), path.name,
+        Package("gguf", ">=0.10", "gguf"),
         str(out)))
     # Only the stand-in package's version: transformers asks importlib.metadata for gguf's own (>= 0.10).
     real_version = fetch_target.importlib.metadata.version

@@ -127,8 +127,9 @@ def _make_smollm2_commands(tmp_path) -> list[list[str]]:
     recorder.write_text(f'#!/bin/sh\nexec {sys.executable} -c "import json, sys; '
                         f'open(sys.argv[1], \'a\').write(json.dumps(sys.argv[2:]) + chr(10))" {log} "$@"\n')
     recorder.chmod(0o755)
-    subprocess.run(["make", "-s", "-o", ".installed", "train-smollm2", f"PYTHON={recorder}", "VLLM_VENV=.venv-vllm",
-                    f"SMOLLM2={tmp_path / 'target'}", f"SMOLLM2_DATA={tmp_path / 'data'}", f"RUN_DIR={tmp_path / 'run'}"],
+    subprocess.run(["make", "-s", "-o", ".installed", "train-smollm2", f"PYTHON={recorder}",
+                    "VLLM_VENV=.venv-vllm", f"SMOLLM2={tmp_path / 'target'}", f"SMOLLM2_DATA={tmp_path / 'data'}",
+                    f"RUN_DIR={tmp_path / 'run'}"],
                    cwd=REPO, check=True, capture_output=True)
     runs = [json.loads(line) for line in log.read_text().splitlines()]
     return [argv[argv.index("-m", argv.index("-m") + 1) + 1:] if argv[1] == "torch.distributed.run" else argv[1:]

@@ -189,8 +189,8 @@ def test_cpu_recipes_mask_token_is_a_special_token_the_template_never_renders():
     tokenizer = load_tokenizer(target)
     mask = SHAPES["smollm2-135m"].mask_token_id
     assert tokenizer.convert_ids_to_tokens(mask) == "<empty_output>" and mask in tokenizer.added_tokens_decoder
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
-                                             tokenize=True, add_generation_prompt=True)
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    rendered = tokenizer.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
     assert mask not in (rendered["input_ids"] if isinstance(rendered, dict) else rendered)
     assert len(tokenizer) == config_from_shape("smollm2-135m").vocab_size   # no unused row: hence a chosen token
 

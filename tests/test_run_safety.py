@@ -129,9 +129,10 @@ def test_nccl_groups_record_and_dump_into_the_run_dir_unless_the_user_said_other
                        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
                        "TORCH_FR_DUMP_TEMP_FILE": f"{tmp_path / 'flight_recorder'}/rank_"}
     assert (tmp_path / "flight_recorder").is_dir()
-    theirs = {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{tmp_path / 'mine'}/trace_", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    mine = {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{tmp_path / 'mine'}/trace_", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    theirs = dict(mine)
     flight_recorder.dump_into(tmp_path, theirs)
-    assert theirs == {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{tmp_path / 'mine'}/trace_", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    assert theirs == mine
     assert (tmp_path / "mine").is_dir() and flight_recorder.dump_prefix(theirs) == f"{tmp_path / 'mine'}/trace_"
     assert flight_recorder.dump_prefix({}) is None   # gloo groups (CPU): no record, nothing named
 

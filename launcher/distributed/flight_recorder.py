@@ -50,7 +50,8 @@ def set_unless_given(env: dict[str, str], environ: MutableMapping[str, str] = os
 def dump_prefix(environ: MutableMapping[str, str] = os.environ) -> str | None:
     """The prefix the dumps of this process are written under, when its NCCL groups record."""
     prefix = environ.get(DUMP_PREFIX) or environ.get(_OLDER_NAME[DUMP_PREFIX])
-    return prefix if prefix and environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT", "").lower() in ("1", "true", "yes", "y") else None
+    dumps = environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT", "").lower() in ("1", "true", "yes", "y")
+    return prefix if prefix and dumps else None
 
 
 def dump_now(rank: int) -> None:
