@@ -79,7 +79,7 @@ answer_prompts() {
   for set in "" $([ -f $data/prompts.code.jsonl ] && echo .code); do
     [ -f $data/train$set.jsonl ] && continue
     limit=$1; [ -n "${UNTIL:-}" ] && { limit=$(seconds_left); [ $limit -gt 0 ] || limit=1; }
-    timeout $limit python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m launcher.regenerate \
+    timeout $limit python3 -m launcher.regenerate \
       target=smollm2_135m target.dtype=bf16 regenerate.input=$data/prompts$set.jsonl \
       regenerate.output=$data/train$set.jsonl regenerate.engine=hf regenerate.max_new_tokens=256 \
       regenerate.batch_size=$REGEN_BATCH >> "$out/regenerate$set.log" 2>&1
