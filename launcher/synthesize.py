@@ -6,8 +6,8 @@ Given only its chat template's opening of a user turn (whatever the template put
 SmolLM2's default system prompt, then `<|im_start|>user\\n`), an instruction-tuned model continues with
 a plausible user request and ends it with its end-of-turn token; sampled (temperature 1.0, top-p 0.95)
 it writes requests as varied as those it was tuned on, with no data set. Candidate k = 0, 1, ... is
-sampled in rounds (engine=hf: one generate() or generate_batch() call seeded with seed + its first k;
-a server: one request seeded with seed + k) and appended to a part file as its round finishes
+sampled in rounds (engine=hf: one generate() call seeded with seed + its first k; a server: one
+request seeded with seed + k) and appended to a part file as its round finishes
 (launcher/regeneration/parts.py), so an interrupted run resumes where it stopped. Candidates are then
 judged in order: junk (not ended by max_new_tokens, holding a template token, too short or long, not
 text, repetitive) and near-duplicates of a kept prompt (the same normalised text, or sharing
@@ -50,7 +50,7 @@ SENTINEL = "\x00user-turn\x00"   # marks where the user's words go in the render
 # Settings that change what is sampled: parts written under other values are not reused.
 _FINGERPRINT_KEYS = ("engine", "system_prompt", "max_new_tokens", "temperature", "top_p", "top_k", "seed",
                      "chat_template_kwargs")
-_HF_FINGERPRINT_KEYS = ("batch_size", "batching")   # one call's seed covers a batch; each batching samples its own way
+_HF_FINGERPRINT_KEYS = ("batch_size",)   # one generate() call's seed covers a batch
 
 
 @dataclass
@@ -155,31 +155,33 @@ class Judge:
 
 # ----------------------------------------------------------------------------- samplers
 class HFSampler:
-    """engine=hf: rounds of batch_size candidates, each round one generate() or generate_batch() call
-    seeded by its first index."""
+    """engine=hf: rounds of batch_size candidates, each round one generate() call seeded by its first index."""
 
     def __init__(self, cfg: DictConfig, opening: list[int], stop_ids: list[int], pad_id: int):
         from transformers import AutoModelForCausalLM
 
         from dflash_core.target.capture import check_target_files
-        from launcher.regeneration.hf import Decoder
+        from launcher.regeneration.hf import generation_config
         from launcher.resolve import compute_dtype, resolve_device, target_dir
 
         s = cfg.synthesize
         device = resolve_device(s.device, "synthesize.device")
         check_target_files(target_dir(cfg))
         dtype = compute_dtype(cfg.target.dtype, device)
-        model = AutoModelForCausalLM.from_pretrained(target_dir(cfg), dtype=dtype).requires_grad_(False).eval()
-        self.decode = Decoder(model.to(device), s, stop_ids, pad_id)
-        log.info("sampling with %s (synthesize.batching=%s)", "transformers' continuous batching (generate_batch)"
-                 if self.decode.continuous else "left-padded generate() calls", s.batching)
-        self.opening, self.stops, self.seed = opening, set(stop_ids), s.seed
+        self.model = AutoModelForCausalLM.from_pretrained(target_dir(cfg), dtype=dtype).requires_grad_(False).eval()
+        self.model.to(device)
+        self.opening, self.stops, self.pad_id, self.seed = opening, set(stop_ids), pad_id, s.seed
+        self.gen_config = generation_config(s, stop_ids, pad_id)
         self.round_size = s.batch_size
 
     def sample(self, start: int, wanted: list[int]) -> dict[int, Candidate]:
+        import torch
+
         from dflash_core.data.prompts import Prompt
+        from launcher.regeneration.hf import generate
+        torch.manual_seed(self.seed + start)
         prompt = Prompt(0, None, "", [], token_ids=self.opening)
-        rows = self.decode([prompt] * self.round_size, self.seed + start)
+        rows = generate(self.model, [prompt] * self.round_size, self.gen_config, self.pad_id)
         return {start + k: candidate(row, self.stops) for k, row in enumerate(rows) if start + k in wanted}
 
 

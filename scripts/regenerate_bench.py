@@ -3,18 +3,18 @@
     python scripts/regenerate_bench.py --out regenerate.json [--shape qwen3-8b --batches 16,64,256]
     python scripts/regenerate_bench.py --shape smollm2-135m --batches 64,512 --caches dynamic,static
     python scripts/regenerate_bench.py --shape smollm2-135m --batches 2048 --new-tokens 256 --ranks 1,2,4
-    python scripts/regenerate_bench.py --shape smollm2-135m --batches 2048,8192 --caches dynamic,continuous
+    python scripts/regenerate_bench.py --shape smollm2-135m --batches 1024,4096 --new-tokens 64 --caches continuous
 
 The model is the target's full shape with random weights (no checkpoint is read; speed does not
 depend on weight values, and random weights never emit a stop token, so every row decodes exactly
 `--new-tokens`). Each row, per KV cache (`--caches`: dynamic, HF's default and what regeneration uses, and
 static, whose decode step transformers compiles with CUDA graphs; its compile runs in an untimed first call), runs
-`launcher.regeneration.hf.generate` (one left-padded HF `generate` call, as `regenerate.batching=padded` makes it)
-or, for `continuous` (paged, `regenerate.batching=continuous`), `generate_continuous` (one `generate_batch` call,
-its CUDA-graph warm-up included, as each regeneration batch pays it) on `batch` prompts of `--prompt-tokens`
-tokens, greedy, and reports new tokens per second, the time of one decode step (after the prefill, timed apart)
-and the step's floor: every weight and the batch's KV cache read once per step at the HBM bandwidth. A row
-faster than its floor is a measurement bug and stops the bench.
+`launcher.regeneration.hf.generate` (one left-padded HF `generate` call, as regeneration makes it) or, for
+`continuous`, one call of transformers' continuous batching (`generate_batch`: a paged KV cache, rows replaced as
+they end; measured, not used by regeneration) on `batch` prompts of `--prompt-tokens` tokens, greedy, and
+reports new tokens per second, the time of one decode step (after the prefill, timed apart) and the step's
+floor: every weight and the batch's KV cache read once per step at the HBM bandwidth. A row faster than its
+floor is a measurement bug and stops the bench.
 
 `--ranks R` splits each batch over R processes sharing the GPU, as `torchrun --nproc-per-node R -m
 launcher.regenerate` places them on one GPU: each answers batch / R prompts, all starting together,
@@ -32,7 +32,7 @@ import torch
 from dflash_core.data.prompts import Prompt
 from dflash_core.target.shapes import SHAPES, config_from_shape
 from launcher.bench.ceiling import H200_HBM_TB_PER_S
-from launcher.regeneration.hf import generate, generate_continuous
+from launcher.regeneration.hf import generate
 
 
 def build_model(shape: str, device: torch.device):
@@ -63,8 +63,9 @@ def timed(model, prompts, new_tokens: int, pad_id: int, cache: str) -> float:
                                   cache_implementation="static" if cache == "static" else None)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    if cache == "continuous":
-        rows = generate_continuous(model, prompts, gen_config, seed=0)
+    if cache == "continuous":   # in a thread of its own, so not under inference_mode (its cache is updated in place)
+        results = model.generate_batch([p.token_ids for p in prompts], generation_config=gen_config)
+        rows = [list(r.generated_tokens) for r in results.values()]
     else:
         rows = generate(model, prompts, gen_config, pad_id)
     torch.cuda.synchronize()

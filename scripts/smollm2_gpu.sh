@@ -25,10 +25,10 @@
 # RECIPE (default smollm2_135m) and RUN (the run's directory name under $WORK/runs) train another drafter on the same
 # data, e.g. DFlash 2: RECIPE=smollm2_135m_dflash2 RUN=smollm2-gpu-d2 with DRAFTER's settings and
 # "drafter.layer_types=[sliding_attention,sliding_attention,sliding_attention]" (one per layer).
-# REGEN_BATCH (default 16384): prompts per generate_batch() call in synthesis and regeneration, which decode with
-# transformers' continuous batching on the GPU (BATCHING, default auto; padded: HF generate() calls of REGEN_BATCH
-# left-padded rows, the third and fourth runs' way: docs/perf_notes.md, "The HF engine's decode rate on a GPU"). An
-# interrupted regeneration keeps the calls it finished and resumes only with the same REGEN_BATCH and BATCHING.
+# REGEN_BATCH (default 2048): prompts per HF generate() call in synthesis and regeneration. HF's decode step costs about
+# the same host time at 512 rows as at 2048 for a 135M target, so the rate grows with the batch (docs/perf_notes.md,
+# "The HF engine's decode rate on a GPU"; one process: several side by side on the one GPU answer slower). Keep it
+# between calls: an interrupted regeneration resumes only with the same batch.
 # UNTIL (epoch seconds, a device call's end): answers and training stop then, wherever they are (answers resume and
 # training continues from its last checkpoint in the next call). Without it the data stage's answers stop after
 # REGEN_S (default 400) seconds per prompt set and training after TRAIN_S (default 480).
@@ -66,8 +66,7 @@ STEPS=${STEPS:-21000}
 # TOPOLOGY (default t1d1): training's target and drafter ranks, all on the one GPU; t2d1 gives a target paced by its
 # host's kernel launches a second process. Keep it between calls: a run resumes with its own topology.
 TOPOLOGY=${TOPOLOGY:-t1d1}
-REGEN_BATCH=${REGEN_BATCH:-16384}
-BATCHING=${BATCHING:-auto}
+REGEN_BATCH=${REGEN_BATCH:-2048}
 CODE_PROMPTS=${CODE_PROMPTS:-16000}
 
 # Seconds from now to UNTIL (epoch seconds).
@@ -83,7 +82,7 @@ answer_prompts() {
     timeout $limit python3 -m launcher.regenerate \
       target=smollm2_135m target.dtype=bf16 regenerate.input=$data/prompts$set.jsonl \
       regenerate.output=$data/train$set.jsonl regenerate.engine=hf regenerate.max_new_tokens=256 \
-      regenerate.batch_size=$REGEN_BATCH regenerate.batching=$BATCHING >> "$out/regenerate$set.log" 2>&1
+      regenerate.batch_size=$REGEN_BATCH >> "$out/regenerate$set.log" 2>&1
     status=$?; echo "regenerate$set: exit $status"; tail -c 700 "$out/regenerate$set.log"
     [ $status = 0 ] || return $status
   done
@@ -103,8 +102,7 @@ for s in "$@"; do case $s in
       if [ -z "$set" ]; then extra="synthesize.num_prompts=${PROMPTS:-24016} synthesize.heldout=16"
       else extra="synthesize.num_prompts=$CODE_PROMPTS"; fi
       python3 -m launcher.synthesize target=smollm2_135m target.dtype=bf16 synthesize.output=$data/prompts$set.jsonl \
-        synthesize.engine=hf synthesize.max_new_tokens=96 synthesize.batch_size=$REGEN_BATCH \
-        synthesize.batching=$BATCHING $extra \
+        synthesize.engine=hf synthesize.max_new_tokens=96 synthesize.batch_size=$REGEN_BATCH $extra \
         ${set:+"synthesize.system_prompt='$CODE_SYSTEM'"} > "$out/synthesize$set.log" 2>&1 \
         || { tail -20 "$out/synthesize$set.log"; exit 1; }
     done

@@ -94,38 +94,6 @@ def test_sigterm_of_the_hf_engine_says_what_is_kept_and_keeps_it_for_the_rerun(t
     assert "Traceback" not in err and not output.exists() and not output.with_name("out.jsonl.lock").exists()
 
 
-def test_continuous_batching_answers_as_the_padded_batch_does(tiny_target_dir):
-    """regenerate.batching=continuous (transformers' generate_batch, what a GPU uses by default) gives
-    the same greedy conversations as padded generate() calls, multi-turn prompts included, and sizes
-    its paged cache on CPU to the batch, not to the machine's free memory."""
-    import resource
-
-    from omegaconf import OmegaConf
-    from transformers import AutoModelForCausalLM
-
-    from dflash_core.data import load_tokenizer
-    from dflash_core.data.prompts import Prompt, stop_token_ids
-    from launcher.regeneration.hf import Decoder, regenerate_batch
-
-    tokenizer = load_tokenizer(tiny_target_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()   # fp32: exact
-    stop_ids = stop_token_ids(tokenizer, model.generation_config)
-    conversations = sorted(_bundled_conversations(40), key=lambda c: -len(c[1]))[:6]   # the most turns first
-    assert sum(t["role"] == "assistant" for t in conversations[0][1]) >= 1   # a multi-turn prompt is among them
-    batch = [Prompt(k, record_id, "test", turns) for k, (record_id, turns) in enumerate(conversations)]
-    answers, peak_kib = {}, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    for batching in ("padded", "continuous"):
-        section = OmegaConf.create({"batching": batching, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0})
-        decode = Decoder(model, section, stop_ids, tokenizer.pad_token_id)
-        assert decode.continuous == (batching == "continuous")
-        answers[batching] = regenerate_batch(decode, tokenizer, batch, stop_ids, {}, seed=0)
-    assert all(conversation for conversation, _, _ in answers["padded"])
-    assert answers["continuous"] == answers["padded"]
-    # transformers' own CPU sizing takes 90% of free RAM (14 GB on the 2-core VM): the process's peak would
-    # rise by that much; the batch's pages are a few MB.
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_kib < 2**20   # KiB: 1 GiB
-
-
 # ----------------------------------------------------------------------------- multi-process
 @pytest.mark.multiproc
 def test_two_ranks_greedy_matches_hf_generate_and_output_trains(tmp_path, tiny_target_dir):

@@ -289,10 +289,6 @@ class EngineSettings(VllmServerSettings):
                        "vllm: vLLM servers started here (make vllm-env; one per GPU, one on CPU) | openai: the servers "
                        "of <section>.endpoints", choices=("hf", "vllm", "openai"))
     device: str = knob("auto", "auto (cuda when available) | cpu | cuda", choices=DEVICES)
-    batching: str = knob("auto", "engine=hf: padded (one left-padded generate() per batch_size prompts, every row "
-                         "decoding until the batch's longest answer ends) | continuous (transformers' generate_batch: "
-                         "a paged KV cache, an ended row replaced at once, CUDA graphs) | auto: continuous on cuda, "
-                         "padded on cpu", choices=("auto", "padded", "continuous"))
     endpoints: list = knob([], "engine=openai: base URLs of running OpenAI-compatible servers of the target (vLLM, "
                            "SGLang), e.g. [http://10.0.0.5:8000]; the prompts are spread over them",
                            each={"nonempty": True})
@@ -313,12 +309,11 @@ class RegenerateSettings(EngineSettings):
     limit: Optional[int] = knob(None, "answer only the first N usable prompts", ge=1)
     max_prompt_length: int = knob(2048, "longer prompts (in tokens) are skipped and counted", ge=1)
     max_new_tokens: int = knob(2048, "tokens generated per answer", ge=1)
-    batch_size: int = knob(16, "prompts per generate() (batching=padded) or generate_batch() call on each rank; an "
-                          "interrupted run keeps the calls it finished", ge=1)
+    batch_size: int = knob(16, "prompts per generate() call on each rank (left-padded)", ge=1)
     temperature: float = knob(0.0, "0: greedy; > 0: sampling", ge=0)
     top_p: float = knob(1.0, "nucleus sampling mass", gt=0, le=1)
     top_k: int = knob(0, "0: no top-k cut", ge=0)
-    seed: int = knob(0, "sampling seed (a batch uses seed + its first prompt's index)", ge=0)
+    seed: int = knob(0, "sampling seed (rank r uses seed + r)", ge=0)
     chat_template_kwargs: dict = knob({}, "passed to apply_chat_template, e.g. {enable_thinking: false}")
     on_bad_line: str = knob("fail", "fail | skip malformed input records", choices=BAD_LINE)
     resume: bool = knob(True, "keep the answers in <output>.parts/ of an interrupted run with the same settings (one "
@@ -342,7 +337,7 @@ class SynthesizeSettings(EngineSettings):
     system_prompt: Optional[str] = knob(None, "the system turn the user turn follows; null: the chat template's own "
                                         "(its default system prompt, if it has one)")
     max_new_tokens: int = knob(128, "tokens sampled per user turn; a turn not ended by then is dropped", ge=1)
-    batch_size: int = knob(64, "engine=hf: user turns sampled per generate() or generate_batch() call", ge=1)
+    batch_size: int = knob(64, "engine=hf: user turns sampled per generate() call", ge=1)
     temperature: float = knob(1.0, "sampling temperature (the Magpie method samples the user turn)", gt=0)
     top_p: float = knob(0.95, "nucleus sampling mass", gt=0, le=1)
     top_k: int = knob(0, "0: no top-k cut", ge=0)

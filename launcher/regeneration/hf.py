@@ -53,55 +53,12 @@ def generate(model, prompts: list[Prompt], gen_config, pad_id: int) -> list[list
     return output[:, width:].tolist()
 
 
-def generate_continuous(model, prompts: list[Prompt], gen_config, seed: int) -> list[list[int]]:
-    """The new tokens of each prompt from transformers' continuous batching (`generate_batch`): rows
-    join and leave the running batch one by one, so no row waits for the batch's longest answer, and
-    the decode step runs as captured CUDA graphs. A prompt it failed or left unanswered is an error:
-    generate_batch itself only logs those."""
-    import torch
-    from transformers.generation import ContinuousBatchingConfig
-    on_gpu = model.device.type == "cuda"
-    # On a GPU the paged cache takes most of the memory left, as it should; on CPU transformers sizes it
-    # to 90% of free RAM whatever the batch, so there it holds exactly the batch (its pages are 256 tokens).
-    pages = None if on_gpu else sum(-(-(len(p.token_ids) + gen_config.max_new_tokens) // 256) for p in prompts)
-    with torch.inference_mode():
-        results = model.generate_batch([p.token_ids for p in prompts], generation_config=gen_config,
-                                       continuous_batching_config=ContinuousBatchingConfig(seed=seed, num_blocks=pages),
-                                       progress_bar=False, warmup=on_gpu)   # warm-up captures CUDA graphs
-    outputs = list(results.values())   # in the prompts' order
-    failed = [o for o in outputs if o.error is not None or not o.is_finished()]
-    if len(outputs) != len(prompts) or failed:
-        why = failed[0].error if failed else "no result"
-        raise RuntimeError(f"continuous batching (batching=continuous) answered {len(outputs) - len(failed)} of "
-                           f"{len(prompts)} prompts ({why}); batching=padded does without it")
-    return [list(o.generated_tokens) for o in outputs]
-
-
-class Decoder:
-    """The target's new tokens for a list of prompts, as `<section>.batching` says: padded (one
-    left-padded generate() call) or continuous (generate_batch); auto: continuous on a GPU, where the
-    padded call's host work, not the GPU, paces a small target (docs/perf_notes.md), and padded on CPU."""
-
-    def __init__(self, model, section: DictConfig, stop_ids: list[int], pad_id: int):
-        self.model, self.pad_id = model, pad_id
-        self.gen_config = generation_config(section, stop_ids, pad_id)
-        self.continuous = section.batching == "continuous" or (section.batching == "auto"
-                                                                and model.device.type == "cuda")
-
-    def __call__(self, prompts: list[Prompt], seed: int) -> list[list[int]]:
-        if self.continuous:
-            return generate_continuous(self.model, prompts, self.gen_config, seed)
-        import torch
-        torch.manual_seed(seed)
-        return generate(self.model, prompts, self.gen_config, self.pad_id)
-
-
-def answer(decode: Decoder, tokenizer, prompts: list[Prompt], stop_ids: list[int],
-           seed: int) -> list[tuple[str, list[int], bool]]:
+def answer(model, tokenizer, prompts: list[Prompt], gen_config, stop_ids: list[int],
+           pad_id: int) -> list[tuple[str, list[int], bool]]:
     """(text, generated ids before the stop token, finished) per prompt."""
     results, stops = [], set(stop_ids)
     specials = [t for t in tokenizer.all_special_tokens if t]
-    for row in decode(prompts, seed):
+    for row in generate(model, prompts, gen_config, pad_id):
         stop = next((k for k, token in enumerate(row) if token in stops), None)
         ids = row[:stop]
         text = tokenizer.decode(ids, skip_special_tokens=True)
@@ -111,16 +68,16 @@ def answer(decode: Decoder, tokenizer, prompts: list[Prompt], stop_ids: list[int
     return results
 
 
-def regenerate_batch(decode: Decoder, tokenizer, batch: list[Prompt], stop_ids: list[int], chat_template_kwargs: dict,
-                     seed: int) -> list[tuple[list[dict] | None, int, int]]:
+def regenerate_batch(model, tokenizer, batch: list[Prompt], gen_config, stop_ids: list[int], pad_id: int,
+                     chat_template_kwargs: dict) -> list[tuple[list[dict] | None, int, int]]:
     """Per prompt: (its conversation with every assistant turn regenerated, or None when one came
-    back empty; tokens generated; turns cut at max_new_tokens). Round k samples with seed + k."""
+    back empty; tokens generated; turns cut at max_new_tokens)."""
     from dflash_core.data.prompts import encode_prompts
     remaining = [[*prompt.messages, None] for prompt in batch]   # None: the answer after the last turn
     histories: list[list[dict]] = [[] for _ in batch]
     results: list = [None] * len(batch)
     tokens, unfinished = [0] * len(batch), [0] * len(batch)
-    asking, round_no = list(range(len(batch))), 0
+    asking = list(range(len(batch)))
     while asking:
         for k in asking:   # the turns up to the next assistant turn join the history; that turn is asked
             while remaining[k][0] is not None and remaining[k][0]["role"] != "assistant":
@@ -129,7 +86,7 @@ def regenerate_batch(decode: Decoder, tokenizer, batch: list[Prompt], stop_ids: 
         prompts = encode_prompts(tokenizer, [Prompt(batch[k].index, batch[k].id, batch[k].location, histories[k],
                                                     batch[k].tools) for k in asking],
                                  max_tokens=1 << 62, chat_template_kwargs=chat_template_kwargs)
-        for k, (text, ids, finished) in zip(asking, answer(decode, tokenizer, prompts, stop_ids, seed + round_no)):
+        for k, (text, ids, finished) in zip(asking, answer(model, tokenizer, prompts, gen_config, stop_ids, pad_id)):
             tokens[k] += len(ids) + finished   # the stop token too, as a server's completion_tokens count it
             unfinished[k] += not finished
             histories[k].append({"role": "assistant", "content": text, "token_ids": ids})
@@ -137,7 +94,7 @@ def regenerate_batch(decode: Decoder, tokenizer, batch: list[Prompt], stop_ids: 
                 remaining[k] = []
             elif not remaining[k]:
                 results[k] = histories[k]
-        asking, round_no = [k for k in asking if remaining[k]], round_no + 1
+        asking = [k for k in asking if remaining[k]]
     return list(zip(results, tokens, unfinished))
 
 
@@ -202,10 +159,8 @@ def _answer(cfg: DictConfig, rank: int, world: int, device) -> int:
         model.requires_grad_(False).eval().to(device)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         stop_ids = stop_token_ids(tokenizer, model.generation_config, part_files.template_kwargs(cfg))
-        decode = Decoder(model, r, stop_ids, pad_id)
-        if rank == 0:
-            log.info("decoding with %s (regenerate.batching=%s)", "transformers' continuous batching (generate_batch)"
-                     if decode.continuous else "left-padded generate() calls", r.batching)
+        gen_config = generation_config(r, stop_ids, pad_id)
+        torch.manual_seed(r.seed + rank)
         # Longest first: batches of similar lengths pad little, and running out of memory shows up
         # in the first batch rather than hours in.
         mine.sort(key=lambda p: -len(p.token_ids))
@@ -214,9 +169,8 @@ def _answer(cfg: DictConfig, rank: int, world: int, device) -> int:
         with part_files.PartWriter(part) as writer:
             for batch_no, start in enumerate(range(0, len(mine), r.batch_size)):
                 batch = mine[start:start + r.batch_size]
-                # Seeded by its first prompt: a batch's sampling is reproducible.
-                answers = regenerate_batch(decode, tokenizer, batch, stop_ids, part_files.template_kwargs(cfg),
-                                           seed=r.seed + batch[0].index)
+                answers = regenerate_batch(model, tokenizer, batch, gen_config, stop_ids, pad_id,
+                                           part_files.template_kwargs(cfg))
                 for prompt, (conversation, tokens, unfinished) in zip(batch, answers):
                     counts["unfinished_turns"] += unfinished
                     counts["new_tokens"] += tokens
