@@ -320,7 +320,8 @@ def step_settings(drafter: DrafterSettings, backend: str, compiled: bool, device
                         dpace_alpha=drafter.dpace_alpha, backend=backend, chunk_blocks=drafter.chunk_blocks,
                         feature_noise_std=drafter.feature_noise_std, compiled=compiled,
                         matmul_precision=precision, fp8_recipe=drafter.fp8_recipe,
-                        selector_weight=drafter.selector_weight, selector_detach=drafter.selector_detach)
+                        selector_weight=drafter.selector_weight, selector_detach=drafter.selector_detach,
+                        kl_weight=drafter.kl_weight)
 
 
 def resolve(cfg: DictConfig, topology: Topology, device: torch.device) -> Job:
@@ -340,14 +341,17 @@ def resolve(cfg: DictConfig, topology: Topology, device: torch.device) -> Job:
     plan = compile_plan(cfg, backend, device, hf_config)
     check_step_device(cfg, device)
     packed = packing(cfg, hf_config)
-    target = TargetPlan(path=path, hf_config=hf_config, layer_ids=dcfg.target_layer_ids,
+    typed = OmegaConf.to_object   # each section as the schema's dataclass
+    step = step_settings(typed(cfg.drafter), backend, plan.compiled, device)
+    # With the KL term the target's last layer rides along: HF reports it after the final norm, which is
+    # what the LM head reads (dflash_core/target/capture.py).
+    teacher = [num_layers_of(hf_config) - 1] if step.with_teacher else []
+    target = TargetPlan(path=path, hf_config=hf_config, layer_ids=[*dcfg.target_layer_ids, *teacher],
                         dtype=compute_dtype(cfg.target.dtype, device), parallel=cfg.target.parallel,
                         tp_size=cfg.target.tp_size, random_weights=cfg.target.random_weights,
                         attention=target_attention(packed, device, hf_config))
-    typed = OmegaConf.to_object   # each section as the schema's dataclass
     data = data_settings(cfg, hf_config)
-    return Job(topology=topology, device=device, target=target, drafter=dcfg,
-               step=step_settings(typed(cfg.drafter), backend, plan.compiled, device), compile=plan,
+    return Job(topology=topology, device=device, target=target, drafter=dcfg, step=step, compile=plan,
                schedule=schedule(cfg, topology), tokenizer_dir=tokenizer_dir(cfg), packing=packed,
                data_sources=partial(dataset_paths, data.paths, "data.paths"), run=typed(cfg.run),
                train=typed(cfg.train), optim=typed(cfg.optim), data=data, channel=typed(cfg.channel),

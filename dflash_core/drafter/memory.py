@@ -40,6 +40,9 @@ _SDPA_SHARED_PAIR_BYTES = 1
 # A head-loss chunk's [rows, V] logits, plus the fp32 tensors its torch statistics and gradient make of
 # them (exp, minus the one-hot, times the weights; the one-hot itself in bool).
 _HEAD_CHUNK_FP32_COPIES = 5
+# With the KL share: the chunk's teacher logits (compute dtype) and the fp32 tensors of its log-softmax,
+# softmax, the drafter's log-probabilities and the blended target (head_loss.head_loss_terms).
+_TEACHER_FP32_COPIES = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,11 +70,12 @@ def parameter_count(config) -> int:
 
 def step_memory(config, *, parameters: int, rows: int, seq_len: int, num_anchors: int, chunk_blocks: int,
                 backend: str, compute_bytes: int, drafters: int = 1, grad_accum: int = 1,
-                tied_head: bool = False, head_in_place: bool = False) -> StepMemory:
+                tied_head: bool = False, head_in_place: bool = False, teacher: bool = False) -> StepMemory:
     """StepMemory of one drafter rank training `config` (a DrafterConfig) at [rows, seq_len] with
     num_anchors blocks a row; compute_bytes: 4 (fp32, CPU) or 2 (bf16 under autocast, GPU); drafters:
     the ranks sharing the optimiser's shards and gradient sums; head_in_place: the compiled CUDA head loss,
-    whose Triton kernels turn a chunk's logits into their gradient where they lie (no fp32 copies)."""
+    whose Triton kernels turn a chunk's logits into their gradient where they lie (no fp32 copies); teacher:
+    the KL share's target hidden state per context token and its logits per head chunk."""
     hidden, layers = config.hidden_size, config.num_hidden_layers
     query_width = config.num_attention_heads * config.head_dim
     kv_width = config.num_key_value_heads * config.head_dim
@@ -93,10 +97,12 @@ def step_memory(config, *, parameters: int, rows: int, seq_len: int, num_anchors
         layer += rows * queries * keys * _SDPA_PAIR_BYTES
     # Outside the layers: the features in fp32 and their projection and norm, the block embeddings and
     # the final norm, the head loss's saved gradient of the drafted slots.
-    outside = rows * (seq_len * (config.num_features + 3) * hidden + queries * 4 * hidden) * compute_bytes
+    outside = rows * (seq_len * (config.num_features + teacher + 3) * hidden + queries * 4 * hidden) * compute_bytes
     shared_masks = len(set(config.layer_types)) * rows * queries * keys * _SDPA_SHARED_PAIR_BYTES \
         if backend == "sdpa" else 0
     chunk_rows = rows * min(chunk_blocks, num_anchors) * (config.block_size - 1)
     head_chunk = chunk_rows * vocab * (compute_bytes + (0 if head_in_place else 4 * _HEAD_CHUNK_FP32_COPIES))
+    if teacher:
+        head_chunk += chunk_rows * vocab * (compute_bytes + 4 * _TEACHER_FP32_COPIES)
     activations = layers * layer + outside + shared_masks + head_chunk
     return StepMemory(weights, optimiser, activations)

@@ -1,4 +1,5 @@
-"""The loss at the target's frozen LM head: weighted cross-entropy of lm_head(h) over all blocks.
+"""The loss at the target's frozen LM head: weighted cross-entropy of lm_head(h) over all blocks, with
+drafter.kl_weight > 0 partly or wholly KL from the target's own distribution at each position.
 
 One definition, `head_loss_terms`: from one chunk's logits [rows, V], the per-position CE, the final
 loss weights, the argmax hits and, when training, d(weighted CE sum)/d(logits). Evaluation, eager
@@ -73,15 +74,32 @@ def triton_kernels(e4m3_gradient: bool = False) -> RowKernels:
     return RowKernels(kernels.row_statistics, kernels.gradient_in_place)
 
 
-def head_loss_terms(logits, labels, weights, loss, gamma, dpace_alpha, kernels=TORCH_KERNELS, with_gradient=True):
-    """One chunk's (ce, final weights [B, c, slots], argmax hits, d(weighted CE sum)/d(logits) or None)."""
+def head_loss_terms(logits, labels, weights, loss, gamma, dpace_alpha, kernels=TORCH_KERNELS, with_gradient=True,
+                    teacher_logits=None, kl_weight=0.0):
+    """One chunk's (per-position loss, final weights [B, c, slots], argmax hits, d(weighted loss sum)/d(logits)
+    or None). The per-position loss is the label's CE, or with `teacher_logits` [rows, V] (the target's
+    logits at the same positions; torch's kernels only) (1 - kl_weight) * CE + kl_weight * KL(p || q), p
+    the teacher's softmax and q the drafter's: its logit gradient is q - ((1 - kl_weight) onehot + kl_weight
+    p). D-PACE's acceptance estimate reads the label's CE either way."""
     flat_labels = labels.reshape(-1)
     norm, ce, argmax = kernels.statistics(logits, flat_labels)
     ce = ce.view_as(weights)
     final = loss_weights(ce, weights, loss=loss, gamma=gamma, dpace_alpha=dpace_alpha)
     correct = (argmax == flat_labels).view_as(labels)
-    grad_logits = kernels.gradient(logits, flat_labels, norm, final.reshape(-1)) if with_gradient else None
-    return ce, final, correct, grad_logits
+    if teacher_logits is None:
+        grad_logits = kernels.gradient(logits, flat_labels, norm, final.reshape(-1)) if with_gradient else None
+        return ce, final, correct, grad_logits
+    log_p = torch.log_softmax(teacher_logits.float(), dim=-1)
+    p = torch.exp(log_p)
+    log_q = logits.float() - norm.unsqueeze(1)
+    kl = (p * (log_p - log_q)).sum(dim=-1).view_as(ce)
+    per_position = (1 - kl_weight) * ce + kl_weight * kl
+    grad_logits = None
+    if with_gradient:
+        onehot = torch.arange(logits.shape[1], device=logits.device) == flat_labels.unsqueeze(1)
+        target = (1 - kl_weight) * onehot.float() + kl_weight * p
+        grad_logits = ((torch.exp(log_q) - target) * final.reshape(-1, 1)).to(logits.dtype)
+    return per_position, final, correct, grad_logits
 
 
 compiled_head_loss_terms = compiled_function("head_loss", head_loss_terms)
@@ -92,7 +110,7 @@ compiled_quantise_rows = compiled_function("fp8_quantise_rows", quantise_rows)
 
 class HeadLoss(NamedTuple):
     """What `head_loss` gives for h [B, N, S, H] of the drafted slots."""
-    loss_sum: torch.Tensor           # the weighted CE sum (with its graph when training)
+    loss_sum: torch.Tensor           # the weighted loss sum (with its graph when training): CE, or CE and KL
     weight_sum: torch.Tensor         # the sum of the final loss weights
     correct: torch.Tensor            # argmax == label [B, N, S]
     final: torch.Tensor              # the final loss weights [B, N, S] (no graph)
@@ -124,14 +142,19 @@ class FusedHeadLoss(torch.autograd.Function):
     `top_k` > 0 (DFlash 2's selector): each row's top-K logits and its label's leave as a
     differentiable output, taken before the gradient pass (on CUDA it overwrites the logits). Their
     gradient reaches h in backward through the K + 1 head rows alone: a gathered [rows, K + 1, H]
-    product per chunk, not another [rows, V] GEMM."""
+    product per chunk, not another [rows, V] GEMM.
+
+    `teacher` [B, N, S, H] (drafter.kl_weight > 0): the target's final normed hidden state at the
+    position each drafted slot is predicted from; each chunk's teacher logits are the frozen head's bf16
+    product of it (no gradient), and the terms are torch's, compiled where the step is (the Triton
+    kernels compute the label's CE only)."""
 
     @staticmethod
     def forward(ctx, h, head_weight, labels, weights, chunk_blocks, loss, gamma, dpace_alpha, compiled, fp8=None,
-                top_k=0):
+                top_k=0, teacher=None, kl_weight=0.0):
         if not compiled:
             terms = head_loss_terms
-        elif h.is_cuda:
+        elif h.is_cuda and teacher is None:
             terms = functools.partial(head_loss_terms, kernels=triton_kernels(e4m3_gradient=fp8 is not None))
         else:
             terms = compiled_head_loss_terms
@@ -145,7 +168,8 @@ class FusedHeadLoss(torch.autograd.Function):
             logits = rows @ head_weight.T if fp8 is None else fp8.logits(rows, quantise)
             if top_k:
                 candidates.append(_candidates(logits, labels[:, part].reshape(-1), top_k))
-            ce, final, hit, grad_logits = terms(logits, labels[:, part], weights[:, part], loss, gamma, dpace_alpha)
+            ce, final, hit, grad_logits = terms(logits, labels[:, part], weights[:, part], loss, gamma, dpace_alpha,
+                                                **_teaching(teacher, part, head_weight, kl_weight))
             grad_rows = grad_logits @ head_weight if fp8 is None else fp8.input_gradient(grad_logits, quantise)
             grad_h[:, part] = grad_rows[:rows.shape[0]].view_as(grad_h[:, part])   # e4m3 rows come padded
             loss_sum = loss_sum + (final * ce).sum()
@@ -171,7 +195,16 @@ class FusedHeadLoss(torch.autograd.Function):
                 rows = head_weight[candidate_ids[:, part]]   # [B, c, S, K + 1, H]
                 grad[:, part] += (grad_candidates[:, part].to(rows.dtype).unsqueeze(-2) @ rows).squeeze(-2).to(
                     grad.dtype)
-        return grad, None, None, None, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None, None, None, None, None
+
+
+def _teaching(teacher, part, head_weight, kl_weight) -> dict:
+    """head_loss_terms' teacher arguments for one chunk's blocks: the target's logits there (none without
+    a teacher)."""
+    if teacher is None:
+        return {}
+    rows = teacher[:, part].reshape(-1, teacher.shape[-1]).to(head_weight.dtype)
+    return {"teacher_logits": rows @ head_weight.T, "kl_weight": kl_weight}
 
 
 def _joined(candidates, shape):
@@ -183,13 +216,17 @@ def _joined(candidates, shape):
     return tuple(torch.cat([t.view(batch, -1, slots, t.shape[-1]) for t in parts], dim=1) for parts in (logits, ids))
 
 
-def head_loss(h, head, labels, weights, *, loss, gamma, dpace_alpha, chunk_blocks, compiled, top_k=0) -> HeadLoss:
+def head_loss(h, head, labels, weights, *, loss, gamma, dpace_alpha, chunk_blocks, compiled, top_k=0, teacher=None,
+              kl_weight=0.0) -> HeadLoss:
     """h [B, N, Bs - 1, H] of the drafted slots -> HeadLoss; with grad enabled through `FusedHeadLoss`,
     without it (evaluation) by the same terms, chunk by chunk. top_k > 0: also each slot's top-K
-    candidates and its label's logit (HeadLoss.candidate_*)."""
+    candidates and its label's logit (HeadLoss.candidate_*). teacher [B, N, Bs - 1, H] with kl_weight > 0:
+    the target's final hidden state for each slot, whose softmax through the head the KL share reads."""
+    if teacher is not None and not kl_weight > 0:
+        teacher = None
     if torch.is_grad_enabled():
         return HeadLoss(*FusedHeadLoss.apply(h, head.lm_head_weight, labels, weights, chunk_blocks, loss, gamma,
-                                             dpace_alpha, compiled, head.fp8, top_k))
+                                             dpace_alpha, compiled, head.fp8, top_k, teacher, kl_weight))
     loss_sum, weight_sum, correct, finals, candidates = 0.0, 0.0, [], [], []
     for start in range(0, h.shape[1], chunk_blocks):
         part = slice(start, start + chunk_blocks)
@@ -199,7 +236,8 @@ def head_loss(h, head, labels, weights, *, loss, gamma, dpace_alpha, chunk_block
         if top_k:
             candidates.append(_candidates(logits, labels[:, part].reshape(-1), top_k))
         ce, final, hit, _ = head_loss_terms(logits, labels[:, part], weights[:, part], loss, gamma, dpace_alpha,
-                                            with_gradient=False)
+                                            with_gradient=False,
+                                            **_teaching(teacher, part, head.lm_head_weight, kl_weight))
         loss_sum = loss_sum + (final * ce).sum()
         weight_sum = weight_sum + final.sum()
         correct.append(hit)

@@ -1,7 +1,8 @@
 """One DFlash (or DFlash 2) training step on a micro-batch, and the simulated acceptance evaluation.
 
-drafter_step returns the weighted cross-entropy SUM (a DFlash 2's plus drafter.selector_weight times its
-selector term's, selector_loss.py) and the weight sum; the caller divides
+drafter_step returns the weighted cross-entropy SUM (with drafter.kl_weight > 0 partly KL from the target's
+distribution, head_loss.py; a DFlash 2's plus drafter.selector_weight times its selector term's,
+selector_loss.py) and the weight sum; the caller divides
 by the weight sum of the whole global batch (all drafter ranks, all accumulation steps), so
 the result does not depend on how the batch was split.
 """
@@ -178,11 +179,30 @@ class _Blocks:
     selector_sum: torch.Tensor | float   # its weighted CE sum (detached)
 
 
+def split_teacher(hidden, settings: StepSettings, hidden_size: int):
+    """hidden [B, S, W] -> (the drafter's features, the target's final normed hidden state [B, S, H] or None):
+    with settings.with_teacher the target captures its last layer after the others (launcher/resolve.py)."""
+    if not settings.with_teacher:
+        return hidden, None
+    return hidden[..., :-hidden_size], hidden[..., -hidden_size:]
+
+
+def teacher_rows(teacher, anchors, block_size):
+    """The target's final hidden state [B, N, Bs - 1, H] from which it predicts each drafted slot's token:
+    slot k of the block anchored at a is input_ids[a + k], predicted at position a + k - 1 (clamped at the
+    row's end, where the slot's weight is 0)."""
+    batch, num_blocks = anchors.shape
+    positions = anchors.unsqueeze(-1) + torch.arange(block_size - 1, device=anchors.device)
+    index = positions.clamp(max=teacher.shape[1] - 1).view(batch, -1, 1).expand(-1, -1, teacher.shape[-1])
+    return teacher.gather(1, index).view(batch, num_blocks, block_size - 1, teacher.shape[-1])
+
+
 def _run_blocks(drafter, head, input_ids, loss_mask, position_ids, features, anchors, keep,
-                settings: StepSettings) -> _Blocks:
+                settings: StepSettings, teacher=None) -> _Blocks:
     """Drafter forward on the given blocks, then the loss in chunks of `settings.chunk_blocks` blocks
     (head_loss.head_loss), so the [N*Bs, V] logits never exist at once; a DFlash 2's selector term
-    (selector_loss.py) on the candidates head_loss keeps of each slot."""
+    (selector_loss.py) on the candidates head_loss keeps of each slot. teacher [B, S, H]: the target's
+    final hidden state, for the KL share of the unary term (settings.kl_weight)."""
     cfg = drafter.config
     block_ids = block_input_ids(input_ids, anchors, cfg.block_size, cfg.mask_token_id)
     h = drafter(features, head.embed(block_ids), anchors, keep, position_ids=position_ids, backend=settings.backend,
@@ -195,7 +215,9 @@ def _run_blocks(drafter, head, input_ids, loss_mask, position_ids, features, anc
     with_selector = isinstance(cfg, DFlash2Config)
     out = head_loss(h[:, :, drafted], head, labels[..., drafted], weights[..., drafted], loss=settings.loss,
                     gamma=settings.gamma, dpace_alpha=settings.dpace_alpha, chunk_blocks=settings.chunk_blocks,
-                    compiled=settings.compiled, top_k=cfg.selector_top_k if with_selector else 0)
+                    compiled=settings.compiled, top_k=cfg.selector_top_k if with_selector else 0,
+                    teacher=None if teacher is None else teacher_rows(teacher, anchors, cfg.block_size),
+                    kl_weight=settings.kl_weight)
     if not with_selector:
         return _Blocks(out.loss_sum, out, labels, weights, h, None, 0.0)
     # The predecessor of drafted slot s is the true token at slot s - 1: the anchor's for the first.
@@ -237,7 +259,8 @@ def _scalar(value, device) -> torch.Tensor:
 
 def drafter_step(drafter, head, input_ids, loss_mask, hidden, settings: StepSettings, *, position_ids=None,
                  generator=None, fixed_anchors=None) -> StepOutput:
-    """Forward + loss for one micro-batch. input_ids/loss_mask [B, S], hidden [B, S, L*H].
+    """Forward + loss for one micro-batch. input_ids/loss_mask [B, S], hidden [B, S, L*H] (and the target's
+    final hidden state after them with settings.kl_weight > 0: split_teacher).
     position_ids [B, S]: restart at 0 at every document start of a packed row (None: one
     document per row); no anchor, label, context key or rotary position crosses a document,
     and the row's settings.num_anchors slots are shared by its documents.
@@ -249,19 +272,21 @@ def drafter_step(drafter, head, input_ids, loss_mask, hidden, settings: StepSett
         anchors, keep = sample_anchors(loss_mask, settings.num_anchors, generator, position_ids)
     else:
         anchors, keep = fixed_anchors
-    features = hidden
+    features, teacher = split_teacher(hidden, settings, drafter.config.hidden_size)
     if settings.feature_noise_std > 0:
-        features = hidden + settings.feature_noise_std * torch.randn_like(hidden)
-    blocks = _run_blocks(drafter, head, input_ids, loss_mask, position_ids, features, anchors, keep, settings)
+        features = features + settings.feature_noise_std * torch.randn_like(features)
+    blocks = _run_blocks(drafter, head, input_ids, loss_mask, position_ids, features, anchors, keep, settings,
+                         teacher)
     return StepOutput(blocks.loss_sum, _counts(blocks, keep)[0])
 
 
 def held_out_settings(settings: StepSettings, block_size: int) -> StepSettings:
     """The settings evaluate_tau scores with: the step's forward (backend, compilation, anchors per
     forward, chunks), the dflash weighting at the block size's default gamma whatever the training
-    loss, and the unary term alone in `loss` (held-out losses compare across runs and drafter kinds;
-    DFlash 2's selector term is reported beside it). evaluate_tau adds no feature noise."""
-    return replace(settings, loss="dflash", gamma=default_gamma(block_size), dpace_alpha=0.0, selector_weight=0.0)
+    loss, and the unary term's CE alone in `loss` (held-out losses compare across runs and drafter kinds;
+    DFlash 2's selector term is reported beside it; no KL share). evaluate_tau adds no feature noise."""
+    return replace(settings, loss="dflash", gamma=default_gamma(block_size), dpace_alpha=0.0, selector_weight=0.0,
+                   kl_weight=0.0)
 
 
 @torch.no_grad()
@@ -275,6 +300,7 @@ def evaluate_tau(drafter, head, input_ids, loss_mask, hidden, settings: StepSett
     Held-out rows are normally unpacked (position_ids None); packed rows give the same sums.
     Returns the counts (`.summary()` gives tau, decode_tau, acc, eal, loss) for cross-rank sums."""
     cfg = drafter.config
+    hidden, _ = split_teacher(hidden, settings, cfg.hidden_size)
     num_anchors, scoring = settings.num_anchors, held_out_settings(settings, cfg.block_size)
     anchors, keep = all_valid_anchors(loss_mask, multiple_of=num_anchors, position_ids=position_ids)
     with_selector = isinstance(cfg, DFlash2Config)

@@ -29,6 +29,12 @@ class StepSettings:
     fp8_recipe: str = FP8_RECIPES[0]  # with fp8: torchao's recipe for the linear layers
     selector_weight: float = 1.0     # DFlash 2: the selector's K-way CE in the loss, relative to the unary CE
     selector_detach: bool = False    # DFlash 2: the selector term's gradient stops at the backbone
+    kl_weight: float = 0.0           # the unary term's KL(target || drafter) share (1 - it: the label's CE)
+
+    @property
+    def with_teacher(self) -> bool:
+        """The target's final normed hidden state rides as the features' last hidden_size columns."""
+        return self.kl_weight > 0
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -46,5 +52,7 @@ class StepSettings:
                              f"{MATMUL_PRECISIONS}")
         if not self.selector_weight >= 0:
             raise ValueError(f"StepSettings.selector_weight={self.selector_weight!r}: expected a number >= 0")
+        if not 0 <= self.kl_weight <= 1:
+            raise ValueError(f"StepSettings.kl_weight={self.kl_weight!r}: expected a number in [0, 1]")
         if self.fp8_recipe not in FP8_RECIPES:
             raise ValueError(f"StepSettings.fp8_recipe={self.fp8_recipe!r}: expected one of {FP8_RECIPES}")

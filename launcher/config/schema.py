@@ -95,6 +95,11 @@ class DrafterSettings:
     gamma: Optional[float] = knob(None, "dflash decay constant; null: by block size (7 for 16, 5 for 10, 4 for 8)",
                                   gt=0)
     dpace_alpha: float = knob(0.5, "D-PACE acceptance floor alpha", ge=0, le=1)
+    kl_weight: float = knob(0.0, "share of the unary term that is KL(target || drafter) over the whole vocabulary "
+                                 "instead of the cross-entropy of the answer's token: 0 CE only, 1 KL only (the "
+                                 "target also captures its final normed hidden state, and each drafted position's "
+                                 "target distribution is the frozen LM head's softmax of it); the slots' loss "
+                                 "weights apply to both", ge=0, le=1)
     # 128: at the Qwen3-8B shape the fastest of 32-512 (fewer, larger head GEMMs and loss kernels), for a
     # little more memory (docs/perf_notes.md, "Step time, second pass").
     chunk_blocks: int = knob(128, "blocks per LM-head chunk (bounds the logits held at once)", ge=1)

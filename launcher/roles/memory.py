@@ -49,7 +49,8 @@ def estimate(job: Job, shape: Shape) -> StepMemory:
                        compute_bytes=job.step.compute_dtype.itemsize, drafters=job.topology.num_drafters,
                        grad_accum=job.train.grad_accum,
                        tied_head=bool(getattr(text_config(job.target.hf_config), "tie_word_embeddings", False)),
-                       head_in_place=job.step.compiled and job.device.type == "cuda")
+                       head_in_place=job.step.compiled and job.device.type == "cuda" and not job.step.with_teacher,
+                       teacher=job.step.with_teacher)
 
 
 def available_memory(device: torch.device) -> int | None:

@@ -219,7 +219,7 @@ class DrafterTrainer:
         start = time.perf_counter()
         generator = torch.Generator(device=self.device).manual_seed(0)
         ids = torch.randint(0, self.dcfg.mask_token_id, (rows, seq_len), generator=generator, device=self.device)
-        hidden = torch.randn(rows, seq_len, self.dcfg.num_features * self.dcfg.hidden_size, generator=generator,
+        hidden = torch.randn(rows, seq_len, self.job.target.feature_width, generator=generator,
                              device=self.device).to(HIDDEN_DTYPE)
         # Inputs of the stream's kinds, strides included (compiled code guards on them).
         batch = FeatureBatch(0, ids, torch.ones_like(ids), torch.arange(seq_len, device=self.device).repeat(rows, 1),
