@@ -154,3 +154,22 @@ def test_a_launched_run_trains_with_the_kl_share(tmp_path, tiny_target_dir):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "eval"] == [4]
     assert all(r["loss"] > 0 for r in records if "loss" in r)
+
+
+def test_a_dflash2_keeps_its_selector_term_under_the_kl_share():
+    """The KL share changes the unary term only: a DFlash 2's selector term (its K-way CE over the unary
+    top-K) and its counts are those of the CE-only step on the same blocks."""
+    from tests.test_dflash2_training import batch, dflash2
+    drafter = dflash2()
+    head = FrozenTargetHead.random(drafter.config.vocab_size, drafter.config.hidden_size, seed=2)
+    ids, mask, hidden = batch()
+    teacher = torch.randn(*ids.shape, drafter.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    anchors = sample_anchors(mask, 4, torch.Generator().manual_seed(1))
+    plain = drafter_step(drafter, head, ids, mask, hidden, step_settings(drafter), fixed_anchors=anchors)
+    taught = drafter_step(drafter, head, ids, mask, torch.cat([hidden, teacher], dim=-1),
+                          step_settings(drafter, kl_weight=0.5), fixed_anchors=anchors)
+    assert taught.counts.selector_loss_sum == pytest.approx(float(plain.counts.selector_loss_sum), rel=1e-6)
+    assert torch.equal(taught.counts.slot_correct, plain.counts.slot_correct)
+    assert abs(float(taught.counts.loss_sum - plain.counts.loss_sum)) > 1e-3
+    taught.loss_sum.backward()
+    assert drafter.candidate_selector.predecessor_codebook.grad.abs().sum() > 0
