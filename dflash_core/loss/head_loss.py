@@ -145,9 +145,9 @@ class FusedHeadLoss(torch.autograd.Function):
     product per chunk, not another [rows, V] GEMM.
 
     `teacher` [B, N, S, H] (drafter.kl_weight > 0): the target's final normed hidden state at the
-    position each drafted slot is predicted from; each chunk's teacher logits are the frozen head's bf16
-    product of it (no gradient), and the terms are torch's, compiled where the step is (the Triton
-    kernels compute the label's CE only)."""
+    position each drafted slot is predicted from; each chunk's teacher logits are the frozen head's own
+    product of it (its dtype, never FP8; no gradient), and the terms are torch's, compiled where the step
+    is (the Triton kernels compute the label's CE only)."""
 
     @staticmethod
     def forward(ctx, h, head_weight, labels, weights, chunk_blocks, loss, gamma, dpace_alpha, compiled, fp8=None,
