@@ -353,13 +353,19 @@ def test_no_process_of_a_started_vllm_server_outlives_regenerate(tiny_target_dir
 
 
 def _end_each_way(runs: dict, tmp_path: Path) -> None:
-    trees = {}
-    # Each run is ended as soon as it is seen mid-run (answers on disk, more to come): a run left waiting while
-    # the others catch up could finish its prompts first, and then there would be nothing left to stop.
-    for ending, (command, output) in runs.items():
-        deadline = time.monotonic() + 1200
-        while _answered(output) < 2 and command.poll() is None and time.monotonic() < deadline:
+    trees, waiting, deadline = {}, dict(runs), time.monotonic() + 1200
+    while waiting:
+        # Each run is ended as soon as it is seen mid-run (answers on disk, more to come), whichever gets there
+        # first: a run left waiting while others are ended one by one (on 2 free cores, the whole bundled set in
+        # about a minute) could finish its prompts first, and then there would be nothing left to stop.
+        started = {ending: (command, output) for ending, (command, output) in waiting.items()
+                   if _answered(output) >= 2 or command.poll() is not None}
+        if not started:
+            assert time.monotonic() < deadline, f"{sorted(waiting)}: no answer in 1200 s"
             time.sleep(0.5)
+            continue
+        ending, (command, output) = next(iter(started.items()))
+        del waiting[ending]
         err = (tmp_path / f"{ending.replace(' ', '_')}.err").read_text()
         assert command.poll() is None and _answered(output) >= 2, f"{ending}: not mid-run:\n{err[-3000:]}"
         supervisor = _supervisor_of(command.pid)
