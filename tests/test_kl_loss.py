@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from dflash_core.drafter.model import DFlashDrafter
 from dflash_core.loss.anchors import sample_anchors
@@ -19,6 +18,7 @@ from launcher.distributed.topology import Topology
 from launcher.resolve import resolve
 from tests.drafters import drafter_config, step_settings
 from tests.launching import tiny_overrides, torchrun
+from tests.test_objective import OracleDrafter
 
 VOCAB, HIDDEN, BS = 24, 16, 4
 
@@ -51,21 +51,6 @@ def test_the_kl_share_matches_autograd_of_the_blended_objective(loss, kl_weight)
         evaluated = head_loss(h, head, labels, weights, loss=loss, gamma=4.0, dpace_alpha=0.5, chunk_blocks=2,
                               compiled=False, teacher=teacher, kl_weight=kl_weight)
     torch.testing.assert_close(evaluated.loss_sum, plain.detach(), rtol=1e-5, atol=1e-6)
-
-
-class OracleDrafter(nn.Module):
-    """Emits 10 x one-hot(input_ids[a + k]) for slot k: through an identity LM head, the logits of the true
-    next token at every slot."""
-
-    def __init__(self, config, input_ids):
-        super().__init__()
-        self.config, self.input_ids = config, input_ids
-        self.offset = nn.Parameter(torch.zeros(()))
-
-    def forward(self, features, block_embeds, anchors, keep, *, position_ids, backend, compiled):
-        positions = anchors.unsqueeze(-1) + torch.arange(self.config.block_size)
-        truth = self.input_ids.gather(1, positions.clamp(max=self.input_ids.shape[1] - 1).flatten(1))
-        return 10.0 * F.one_hot(truth, VOCAB).float() + self.offset
 
 
 def _oracle_case(shift: int):

@@ -39,8 +39,8 @@ def random_batch(rows=4, seq_len=24, seed=0):
 
 
 class OracleDrafter(nn.Module):
-    """Emits one-hot hidden states of input_ids[a + k]: with an identity lm_head every
-    correctly aligned label is an argmax hit."""
+    """Emits 10 x one-hot(input_ids[a + k]) for slot k (the config's vocabulary wide): with an identity
+    lm_head every correctly aligned label is an argmax hit."""
 
     def __init__(self, config, input_ids):
         super().__init__()
@@ -50,7 +50,7 @@ class OracleDrafter(nn.Module):
     def forward(self, features, block_embeds, anchors, keep, *, position_ids, backend, compiled):
         positions = anchors.unsqueeze(-1) + torch.arange(self.config.block_size)
         truth = self.input_ids.gather(1, positions.clamp(max=self.input_ids.shape[1] - 1).flatten(1))
-        return 10.0 * F.one_hot(truth, VOCAB).float() + self.offset
+        return 10.0 * F.one_hot(truth, self.config.vocab_size).float() + self.offset
 
 
 def identity_head():

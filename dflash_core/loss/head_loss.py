@@ -222,8 +222,6 @@ def head_loss(h, head, labels, weights, *, loss, gamma, dpace_alpha, chunk_block
     without it (evaluation) by the same terms, chunk by chunk. top_k > 0: also each slot's top-K
     candidates and its label's logit (HeadLoss.candidate_*). teacher [B, N, Bs - 1, H] with kl_weight > 0:
     the target's final hidden state for each slot, whose softmax through the head the KL share reads."""
-    if teacher is not None and not kl_weight > 0:
-        teacher = None
     if torch.is_grad_enabled():
         return HeadLoss(*FusedHeadLoss.apply(h, head.lm_head_weight, labels, weights, chunk_blocks, loss, gamma,
                                              dpace_alpha, compiled, head.fp8, top_k, teacher, kl_weight))
