@@ -50,7 +50,7 @@ SENTINEL = "\x00user-turn\x00"   # marks where the user's words go in the render
 # Settings that change what is sampled: parts written under other values are not reused.
 _FINGERPRINT_KEYS = ("engine", "system_prompt", "max_new_tokens", "temperature", "top_p", "top_k", "seed",
                      "chat_template_kwargs")
-_HF_FINGERPRINT_KEYS = ("batch_size",)   # one generate() call's seed covers a batch
+_HF_FINGERPRINT_KEYS = ("batch_size", "decode")   # one batch's seed covers a batch, drawn as its decode draws
 
 
 @dataclass
@@ -161,7 +161,7 @@ class HFSampler:
         from transformers import AutoModelForCausalLM
 
         from dflash_core.target.capture import check_target_files
-        from launcher.regeneration.hf import generation_config
+        from launcher.regeneration.hf import batch_decoder
         from launcher.resolve import compute_dtype, resolve_device, target_dir
 
         s = cfg.synthesize
@@ -170,18 +170,17 @@ class HFSampler:
         dtype = compute_dtype(cfg.target.dtype, device)
         self.model = AutoModelForCausalLM.from_pretrained(target_dir(cfg), dtype=dtype).requires_grad_(False).eval()
         self.model.to(device)
-        self.opening, self.stops, self.pad_id, self.seed = opening, set(stop_ids), pad_id, s.seed
-        self.gen_config = generation_config(s, stop_ids, pad_id)
+        self.opening, self.stops, self.seed = opening, set(stop_ids), s.seed
+        self.decode = batch_decoder(self.model, s, "synthesize", stop_ids, pad_id)
         self.round_size = s.batch_size
 
     def sample(self, start: int, wanted: list[int]) -> dict[int, Candidate]:
         import torch
 
         from dflash_core.data.prompts import Prompt
-        from launcher.regeneration.hf import generate
         torch.manual_seed(self.seed + start)
         prompt = Prompt(0, None, "", [], token_ids=self.opening)
-        rows = generate(self.model, [prompt] * self.round_size, self.gen_config, self.pad_id)
+        rows = self.decode([prompt] * self.round_size)
         return {start + k: candidate(row, self.stops) for k, row in enumerate(rows) if start + k in wanted}
 
 

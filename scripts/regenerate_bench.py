@@ -4,12 +4,15 @@
     python scripts/regenerate_bench.py --shape smollm2-135m --batches 64,512 --caches dynamic,static
     python scripts/regenerate_bench.py --shape smollm2-135m --batches 2048 --new-tokens 256 --ranks 1,2,4
     python scripts/regenerate_bench.py --shape smollm2-135m --batches 1024,4096 --new-tokens 64 --caches continuous
+    python scripts/regenerate_bench.py --shape smollm2-135m --batches 2048,4096 --new-tokens 256 --caches dynamic,loop
 
 The model is the target's full shape with random weights (no checkpoint is read; speed does not
 depend on weight values, and random weights never emit a stop token, so every row decodes exactly
 `--new-tokens`). Each row, per KV cache (`--caches`: dynamic, HF's default and what regeneration uses, and
 static, whose decode step transformers compiles with CUDA graphs; its compile runs in an untimed first call), runs
-`launcher.regeneration.hf.generate` (one left-padded HF `generate` call, as regeneration makes it) or, for
+`launcher.regeneration.hf.generate` (one left-padded HF `generate` call, as `regenerate.decode=generate` makes it),
+for `loop` the static decode loop (`dflash_core.target.decode`, what `regenerate.decode=auto` runs: its CUDA
+graphs are captured inside each timed call, as regeneration captures them per batch) or, for
 `continuous`, one call of transformers' continuous batching (`generate_batch`: a paged KV cache, rows replaced as
 they end; measured, not used by regeneration) on `batch` prompts of `--prompt-tokens` tokens, greedy, and
 reports new tokens per second, the time of one decode step (after the prefill, timed apart) and the step's
@@ -63,7 +66,11 @@ def timed(model, prompts, new_tokens: int, pad_id: int, cache: str) -> float:
                                   cache_implementation="static" if cache == "static" else None)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    if cache == "continuous":   # in a thread of its own, so not under inference_mode (its cache is updated in place)
+    if cache == "loop":
+        from dflash_core.target.decode import Sampling, StaticDecoder
+        from launcher.regeneration.hf import left_padded
+        rows = StaticDecoder(model, new_tokens, [], pad_id, Sampling())(*left_padded(prompts, pad_id)).tolist()
+    elif cache == "continuous":   # in a thread of its own, so not under inference_mode (its cache is updated in place)
         results = model.generate_batch([p.token_ids for p in prompts], generation_config=gen_config)
         rows = [list(r.generated_tokens) for r in results.values()]
     else:
@@ -138,7 +145,7 @@ def main() -> None:
     parser.add_argument("--batches", default="16,64,256")
     parser.add_argument("--prompt-tokens", type=int, default=1000)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--caches", default="dynamic", help="comma-separated: dynamic, static, continuous")
+    parser.add_argument("--caches", default="dynamic", help="comma-separated: dynamic, static, continuous, loop")
     parser.add_argument("--ranks", default="1", help="comma-separated: processes sharing the GPU per row")
     parser.add_argument("--out")
     args = parser.parse_args()

@@ -294,6 +294,10 @@ class EngineSettings(VllmServerSettings):
                        "vllm: vLLM servers started here (make vllm-env; one per GPU, one on CPU) | openai: the servers "
                        "of <section>.endpoints", choices=("hf", "vllm", "openai"))
     device: str = knob("auto", "auto (cuda when available) | cpu | cuda", choices=DEVICES)
+    decode: str = knob("auto", "engine=hf: static: a decode loop of our own (a KV cache sized to the batch, the next "
+                       "token chosen on the device, each step a CUDA graph on GPUs; Llama, Qwen2, Qwen3, Mistral "
+                       "targets with full attention) | generate: HF generate | auto: static where it runs the "
+                       "target, else generate", choices=("auto", "static", "generate"))
     endpoints: list = knob([], "engine=openai: base URLs of running OpenAI-compatible servers of the target (vLLM, "
                            "SGLang), e.g. [http://10.0.0.5:8000]; the prompts are spread over them",
                            each={"nonempty": True})

@@ -36,29 +36,55 @@ def generation_config(r: DictConfig, stop_ids: list[int], pad_id: int):
     return GenerationConfig(do_sample=True, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, **common)
 
 
-def generate(model, prompts: list[Prompt], gen_config, pad_id: int) -> list[list[int]]:
-    """The new tokens of each prompt: one left-padded generate() call for the whole batch."""
+def left_padded(prompts: list[Prompt], pad_id: int):
+    """(input_ids, attention_mask) of a batch, padded on the left: every row's last prompt token sits at
+    the same position, where generation starts."""
     import torch
     width = max(len(p.token_ids) for p in prompts)
-    # Left padding: every row's last prompt token sits at the same position, where generation starts.
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, prompt in enumerate(prompts):
         input_ids[row, width - len(prompt.token_ids):] = torch.tensor(prompt.token_ids)
         attention_mask[row, width - len(prompt.token_ids):] = 1
+    return input_ids, attention_mask
+
+
+def generate(model, prompts: list[Prompt], gen_config, pad_id: int) -> list[list[int]]:
+    """The new tokens of each prompt: one left-padded HF generate() call for the whole batch."""
+    import torch
+    input_ids, attention_mask = left_padded(prompts, pad_id)
     device = model.device
     with torch.inference_mode():
         output = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                 generation_config=gen_config)
-    return output[:, width:].tolist()
+    return output[:, input_ids.shape[1]:].tolist()
 
 
-def answer(model, tokenizer, prompts: list[Prompt], gen_config, stop_ids: list[int],
-           pad_id: int) -> list[tuple[str, list[int], bool]]:
+def batch_decoder(model, section: DictConfig, key: str, stop_ids: list[int], pad_id: int):
+    """`<key>.decode`: a function from a batch of prompts to each one's new tokens, through the static
+    decode loop (dflash_core.target.decode) or HF generate; `auto` takes the loop wherever it runs the
+    target (faster on CPU and GPU alike: docs/perf_notes.md, "A decode loop the GPU paces")."""
+    from dflash_core.target.decode import Sampling, StaticDecoder, unsupported
+    from launcher.config import ConfigError
+    why = unsupported(model)
+    if section.decode == "static" and why:
+        raise ConfigError(f"{key}.decode=static: the static decode loop cannot run this target ({why}); "
+                          f"{key}.decode=generate or auto decodes it with HF generate")
+    if section.decode == "generate" or why:
+        if why:
+            log.info("%s.decode=auto: HF generate (the static decode loop cannot run this target: %s)", key, why)
+        gen_config = generation_config(section, stop_ids, pad_id)
+        return lambda prompts: generate(model, prompts, gen_config, pad_id)
+    loop = StaticDecoder(model, section.max_new_tokens, stop_ids, pad_id,
+                         Sampling(section.temperature, section.top_p, section.top_k))
+    return lambda prompts: loop(*left_padded(prompts, pad_id)).tolist()
+
+
+def answer(decode, tokenizer, prompts: list[Prompt], stop_ids: list[int]) -> list[tuple[str, list[int], bool]]:
     """(text, generated ids before the stop token, finished) per prompt."""
     results, stops = [], set(stop_ids)
     specials = [t for t in tokenizer.all_special_tokens if t]
-    for row in generate(model, prompts, gen_config, pad_id):
+    for row in decode(prompts):
         stop = next((k for k, token in enumerate(row) if token in stops), None)
         ids = row[:stop]
         text = tokenizer.decode(ids, skip_special_tokens=True)
@@ -68,7 +94,7 @@ def answer(model, tokenizer, prompts: list[Prompt], gen_config, stop_ids: list[i
     return results
 
 
-def regenerate_batch(model, tokenizer, batch: list[Prompt], gen_config, stop_ids: list[int], pad_id: int,
+def regenerate_batch(decode, tokenizer, batch: list[Prompt], stop_ids: list[int],
                      chat_template_kwargs: dict) -> list[tuple[list[dict] | None, int, int]]:
     """Per prompt: (its conversation with every assistant turn regenerated, or None when one came
     back empty; tokens generated; turns cut at max_new_tokens)."""
@@ -86,7 +112,7 @@ def regenerate_batch(model, tokenizer, batch: list[Prompt], gen_config, stop_ids
         prompts = encode_prompts(tokenizer, [Prompt(batch[k].index, batch[k].id, batch[k].location, histories[k],
                                                     batch[k].tools) for k in asking],
                                  max_tokens=1 << 62, chat_template_kwargs=chat_template_kwargs)
-        for k, (text, ids, finished) in zip(asking, answer(model, tokenizer, prompts, gen_config, stop_ids, pad_id)):
+        for k, (text, ids, finished) in zip(asking, answer(decode, tokenizer, prompts, stop_ids)):
             tokens[k] += len(ids) + finished   # the stop token too, as a server's completion_tokens count it
             unfinished[k] += not finished
             histories[k].append({"role": "assistant", "content": text, "token_ids": ids})
@@ -159,7 +185,7 @@ def _answer(cfg: DictConfig, rank: int, world: int, device) -> int:
         model.requires_grad_(False).eval().to(device)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         stop_ids = stop_token_ids(tokenizer, model.generation_config, part_files.template_kwargs(cfg))
-        gen_config = generation_config(r, stop_ids, pad_id)
+        decode = batch_decoder(model, r, "regenerate", stop_ids, pad_id)
         torch.manual_seed(r.seed + rank)
         # Longest first: batches of similar lengths pad little, and running out of memory shows up
         # in the first batch rather than hours in.
@@ -169,8 +195,7 @@ def _answer(cfg: DictConfig, rank: int, world: int, device) -> int:
         with part_files.PartWriter(part) as writer:
             for batch_no, start in enumerate(range(0, len(mine), r.batch_size)):
                 batch = mine[start:start + r.batch_size]
-                answers = regenerate_batch(model, tokenizer, batch, gen_config, stop_ids, pad_id,
-                                           part_files.template_kwargs(cfg))
+                answers = regenerate_batch(decode, tokenizer, batch, stop_ids, part_files.template_kwargs(cfg))
                 for prompt, (conversation, tokens, unfinished) in zip(batch, answers):
                     counts["unfinished_turns"] += unfinished
                     counts["new_tokens"] += tokens

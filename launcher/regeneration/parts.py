@@ -42,7 +42,7 @@ log = logging.getLogger("dflash")
 # (regenerate.input and regenerate.tokenizer are recorded by what they are: see _generated_by.)
 _FINGERPRINT_KEYS = ("engine", "drop_last_assistant", "limit", "max_prompt_length", "max_new_tokens", "temperature",
                      "top_p", "top_k", "seed", "chat_template_kwargs", "on_bad_line")
-_HF_FINGERPRINT_KEYS = ("batch_size",)   # left padding of a batch moves greedy near-ties
+_HF_FINGERPRINT_KEYS = ("batch_size", "decode")   # a batch's padding and its decode's numerics move greedy near-ties
 
 
 # ----------------------------------------------------------------------------- prompts
