@@ -83,6 +83,7 @@ def timed(model, prompts, new_tokens: int, pad_id: int, cache: str) -> float:
 def rank_times(shape: str, batch: int, prompt_tokens: int, new_tokens: int, cache: str, barrier=None) -> tuple:
     """(prefill seconds, whole-call seconds, peak GiB) of one process answering `batch` prompts; with a
     barrier, every timed call starts when all the processes sharing the GPU are ready for it."""
+    torch.cuda.reset_peak_memory_stats()   # this row's peak, not an earlier row's in the same process
     model = build_model(shape, torch.device("cuda"))
     gen = torch.Generator().manual_seed(batch)
     prompts = [Prompt(index=i, id=i, location="bench", messages=[],

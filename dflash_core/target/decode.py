@@ -3,15 +3,16 @@
 HF `generate` runs a decode step as ~1,000 kernels launched one by one from Python, syncs once a step
 for its stop check, and with its static cache attends over a mask it materialises per step; for a
 small target at thousands of rows the host paces it at several times the step's floor
-(docs/perf_notes.md, "The HF engine's decode rate on a GPU"). This loop runs the same modules
-(projections, norms, rotary embedding, MLP, head: the model's own, so its weights and numerics) with:
+(docs/perf_notes.md, "The HF engine's decode rate on a GPU"). This loop runs the model's own
+weights, embedding, rotary embedding and head, and the families' layer math (RMSNorm, attention, SwiGLU) as
+their modules compute it, with:
 - a KV cache sized to the batch (prompts left-padded, so every row writes the same slot each step);
 - decode attention as two batched products over the cache's filled prefix, rounded up to a bucket of
   slots, with an additive key bias of one row per sequence (left padding and unwritten slots);
 - the next token chosen on the device (greedy, or temperature / top-k / top-p sampling) and written
   into the output there;
-- on CUDA, one decode step captured as a CUDA graph per bucket and replayed, with the stop check
-  read every `check_every` steps.
+- on CUDA, the step's element-wise passes fused by inductor, and one decode step captured as a CUDA
+  graph per bucket and replayed, with the stop check read every `check_every` steps.
 
 Families: the decoder layers of Llama, Qwen2, Qwen3 and Mistral (`SUPPORTED`), full attention only;
 `unsupported(model)` says why another cannot run here (its caller falls back to `generate`, saying so).
@@ -37,6 +38,8 @@ def unsupported(model) -> str | None:
     windowed = [k for k, layer in enumerate(layers) if getattr(layer.self_attn, "sliding_window", None)]
     if windowed:
         return f"layers {windowed} use sliding-window attention"
+    if config.hidden_act != "silu":
+        return f"hidden_act {config.hidden_act!r} is not silu (the loop's MLP is SwiGLU)"
     rope = getattr(model.model.rotary_emb, "rope_type", "default")
     if "dynamic" in rope or rope == "longrope":   # their frequencies follow the longest position: a host sync
         return f"its rotary embedding ({rope!r}) rescales with the sequence length"
@@ -68,9 +71,73 @@ class Sampling:
         return (logits.softmax(-1) / torch.empty_like(logits).exponential_()).argmax(-1)
 
 
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The families' RMSNorm, as their modules compute it: in fp32, cast back, then scaled."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One decoder layer's tensors, handed to the step's functions as arguments: compiled once, those
+    functions serve every layer (a module argument would be guarded by identity, one compile per layer)."""
+    norm: tuple          # (input RMSNorm weight, eps)
+    q: tuple             # (weight, bias or None), as k, v, o
+    k: tuple
+    v: tuple
+    o: tuple
+    qk_norm: tuple | None   # Qwen3: (q weight, k weight, eps), over each head's features before the rotation
+    mlp_norm: tuple
+    gate: tuple
+    up: tuple
+    down: tuple
+
+    @classmethod
+    def of(cls, layer) -> "_Layer":
+        attn, mlp = layer.self_attn, layer.mlp
+        linear = lambda m: (m.weight, m.bias)   # noqa: E731
+        qk = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon) if hasattr(attn, "q_norm") else None
+        return cls((layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
+                   linear(attn.q_proj), linear(attn.k_proj), linear(attn.v_proj), linear(attn.o_proj), qk,
+                   (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
+                   linear(mlp.gate_proj), linear(mlp.up_proj), linear(mlp.down_proj))
+
+
+def _queries_keys_values(h: torch.Tensor, w: _Layer, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
+                         scaling: float):
+    """Norm, projections, Qwen3's per-head norms and the rotation: q (pre-scaled), k, v as [B, heads, T, D]."""
+    B, T, _ = h.shape
+    x = _rms_norm(h, *w.norm)
+    q = F.linear(x, *w.q).view(B, T, -1, head_dim)
+    k = F.linear(x, *w.k).view(B, T, -1, head_dim)
+    v = F.linear(x, *w.v).view(B, T, -1, head_dim).transpose(1, 2)
+    if w.qk_norm is not None:
+        q, k = _rms_norm(q, w.qk_norm[0], w.qk_norm[2]), _rms_norm(k, w.qk_norm[1], w.qk_norm[2])
+    q = _rotate(q, cos, sin).transpose(1, 2) * scaling
+    return q, _rotate(k, cos, sin).transpose(1, 2), v
+
+
+def _after_attention(h: torch.Tensor, o: torch.Tensor, w: _Layer) -> torch.Tensor:
+    """Output projection and residual, then the SwiGLU MLP and its residual."""
+    B, heads, T, D = o.shape
+    h = h + F.linear(o.transpose(1, 2).reshape(B, T, heads * D), *w.o)
+    x = _rms_norm(h, *w.mlp_norm)
+    return h + F.linear(F.silu(F.linear(x, *w.gate)) * F.linear(x, *w.up), *w.down)
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
+    """q [B, Hq, 1, D] (pre-scaled) against k, v [B, Hkv, span, D]: each KV head's query group in one product,
+    each sequence's bias row [B, span] added; no mask of query x key entries is ever built."""
+    B, Hq, _, D = q.shape
+    kv_heads = k.shape[1]
+    scores = torch.matmul(q.reshape(B, kv_heads, Hq // kv_heads, D), k.transpose(-1, -2))
+    probs = (scores.float() + key_bias[:, None, None, :]).softmax(-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(B, Hq, 1, D)
 
 
 class StaticDecoder:
@@ -87,11 +154,16 @@ class StaticDecoder:
         self.stop_ids = torch.tensor(sorted(set(stop_ids)), device=self.device, dtype=torch.long)
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.check_every = check_every
-        config = model.config
-        self.layers = model.model.layers
-        self.kv_heads = config.num_key_value_heads
-        self.head_dim = self.layers[0].self_attn.head_dim
-        self.scaling = self.layers[0].self_attn.scaling
+        self.layers = [_Layer.of(layer) for layer in model.model.layers]
+        attn = model.model.layers[0].self_attn
+        self.kv_heads, self.head_dim, self.scaling = model.config.num_key_value_heads, attn.head_dim, attn.scaling
+        # On GPUs the decode step's small element-wise passes (norms, rotation, softmax, SwiGLU) are most of
+        # its time run one kernel each; inductor fuses them. Compiled for the one-token step only: the prefill,
+        # once a batch, runs them eagerly.
+        compiled = (lambda f, **kw: torch.compile(f, **kw)) if self.cuda_graphs else (lambda f, **kw: f)
+        self._decode_qkv = compiled(_queries_keys_values)
+        self._decode_after = compiled(_after_attention)
+        self._attend = compiled(_decode_attention, dynamic=True)   # its span grows bucket by bucket
 
     # ------------------------------------------------------------------ the forward pass
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor | None,
@@ -101,39 +173,23 @@ class StaticDecoder:
         model = self.model.model
         h = model.embed_tokens(ids)
         cos, sin = model.rotary_emb(h, positions)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        B, T = ids.shape
-        for layer, cache_k, cache_v in zip(self.layers, self.cache_k, self.cache_v):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(B, T, -1, self.head_dim)
-            k = attn.k_proj(x).view(B, T, -1, self.head_dim)
-            v = attn.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-            if hasattr(attn, "q_norm"):   # Qwen3: a norm over each head's features before the rotation
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)   # over the heads of [B, T, heads, D]
+        T = ids.shape[1]
+        for w, cache_k, cache_v in zip(self.layers, self.cache_k, self.cache_v):
             if slot is None:
+                q, k, v = _queries_keys_values(h, w, cos, sin, self.head_dim, self.scaling)
                 cache_k[:, :, :T], cache_v[:, :, :T] = k, v
                 group = q.shape[1] // self.kv_heads   # the heads repeated, so a fused kernel takes the mask
                 o = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
-                                                   attn_mask=self.prefill_mask, scale=self.scaling)
+                                                   attn_mask=self.prefill_mask, scale=1.0)
+                h = _after_attention(h, o, w)
             else:
+                q, k, v = self._decode_qkv(h, w, cos, sin, self.head_dim, self.scaling)
                 cache_k.index_copy_(2, slot, k)
                 cache_v.index_copy_(2, slot, v)
-                o = self._decode_attention(q, cache_k[:, :, :span], cache_v[:, :, :span], span)
-            h = h + attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+                o = self._attend(q, cache_k[:, :, :span], cache_v[:, :, :span], self.key_bias[:, :span])
+                h = self._decode_after(h, o, w)
         return self.model.lm_head(model.norm(h[:, -1]))
-
-    def _decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: int) -> torch.Tensor:
-        """q [B, Hq, 1, D] against k, v [B, Hkv, span, D]: each KV head's query group in one product, the
-        bias row of each sequence added; no mask of query x key entries is ever built."""
-        B, Hq, _, D = q.shape
-        grouped = q.reshape(B, self.kv_heads, Hq // self.kv_heads, D)
-        scores = torch.matmul(grouped, k.transpose(-1, -2)).float() * self.scaling
-        scores = scores + self.key_bias[:, None, None, :span]
-        o = torch.matmul(scores.softmax(-1).to(v.dtype), v)
-        return o.reshape(B, Hq, 1, D)
 
     # ------------------------------------------------------------------ one decode step (captured on CUDA)
     def _step(self, span: int) -> None:
