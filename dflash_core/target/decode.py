@@ -229,7 +229,9 @@ class StaticDecoder:
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         device, (B, width) = self.device, input_ids.shape
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device).bool()
-        slots = width + self.max_new_tokens - 1   # the last token chosen is never fed back
+        # The last token chosen is never fed back; whole buckets, so every span the attention reads is a multiple
+        # of 64 slots (an odd one sent cuBLAS's batched products to a kernel at half their speed on an H100).
+        slots = BUCKET * math.ceil((width + self.max_new_tokens - 1) / BUCKET)
         dtype = self.model.lm_head.weight.dtype
         shape = (B, self.kv_heads, slots, self.head_dim)
         # Zeros, not empty: an unwritten slot's -inf bias masks a finite score, but NaN + -inf is NaN.
@@ -257,7 +259,7 @@ class StaticDecoder:
         for step in range(1, self.max_new_tokens):
             if step % self.check_every == 0 and bool(self.finished.all()):
                 break
-            span = min(slots, BUCKET * math.ceil((width + step) / BUCKET))   # slots 0 .. width + step - 1
+            span = BUCKET * math.ceil((width + step) / BUCKET)   # slots 0 .. width + step - 1, in whole buckets
             if not self.cuda_graphs:
                 self._step(span)
                 continue
