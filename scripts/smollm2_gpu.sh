@@ -25,10 +25,10 @@
 # RECIPE (default smollm2_135m) and RUN (the run's directory name under $WORK/runs) train another drafter on the same
 # data, e.g. DFlash 2: RECIPE=smollm2_135m_dflash2 RUN=smollm2-gpu-d2 with DRAFTER's settings and
 # "drafter.layer_types=[sliding_attention,sliding_attention,sliding_attention]" (one per layer).
-# REGEN_BATCH (default 2048): prompts per HF generate() call in synthesis and regeneration. HF's decode step costs about
-# the same host time at 512 rows as at 2048 for a 135M target, so the rate grows with the batch (docs/perf_notes.md,
-# "The HF engine's decode rate on a GPU"; one process: several side by side on the one GPU answer slower). Keep it
-# between calls: an interrupted regeneration resumes only with the same batch.
+# REGEN_BATCH (default 4096): prompts per batch in synthesis and regeneration, decoded by the project's decode loop
+# (regenerate.decode=auto). Its step grows with the rows while the host's share stays fixed, so the rate grows with the
+# batch as far as the KV cache fits (docs/perf_notes.md, "A decode loop the GPU paces"). Keep it between calls: an
+# interrupted regeneration resumes only with the same batch.
 # UNTIL (epoch seconds, a device call's end): answers and training stop then, wherever they are (answers resume and
 # training continues from its last checkpoint in the next call). Without it the data stage's answers stop after
 # REGEN_S (default 400) seconds per prompt set and training after TRAIN_S (default 480).
@@ -66,7 +66,7 @@ STEPS=${STEPS:-21000}
 # TOPOLOGY (default t1d1): training's target and drafter ranks, all on the one GPU; t2d1 gives a target paced by its
 # host's kernel launches a second process. Keep it between calls: a run resumes with its own topology.
 TOPOLOGY=${TOPOLOGY:-t1d1}
-REGEN_BATCH=${REGEN_BATCH:-2048}
+REGEN_BATCH=${REGEN_BATCH:-4096}
 CODE_PROMPTS=${CODE_PROMPTS:-16000}
 
 # Seconds from now to UNTIL (epoch seconds).
