@@ -3,8 +3,9 @@
 
 Drafters trained on the target's own answers accept more of its tokens, so the usual recipe is
 to regenerate the assistant turns of a chat set with the target before training. The engine
-(regenerate.engine) answers: `hf`, HF `generate` here, every rank a full target replica
-(launcher/regeneration/hf.py; it needs nothing but the project), or a serving engine
+(regenerate.engine) answers: `hf`, the target here (dflash_core.target.decode's loop, or HF
+`generate`), every rank a full target replica (launcher/regeneration/hf.py; it needs nothing but
+the project), or a serving engine
 (launcher/regeneration/served.py): `vllm`, servers started here, or `openai`, the servers of
 regenerate.endpoints. Answers are written to part files as they finish, so a rerun with the
 same settings answers only what is missing; the parts are merged in input order into the

@@ -6,7 +6,7 @@ Given only its chat template's opening of a user turn (whatever the template put
 SmolLM2's default system prompt, then `<|im_start|>user\\n`), an instruction-tuned model continues with
 a plausible user request and ends it with its end-of-turn token; sampled (temperature 1.0, top-p 0.95)
 it writes requests as varied as those it was tuned on, with no data set. Candidate k = 0, 1, ... is
-sampled in rounds (engine=hf: one generate() call seeded with seed + its first k; a server: one
+sampled in rounds (engine=hf: one batch seeded with seed + its first k; a server: one
 request seeded with seed + k) and appended to a part file as its round finishes
 (launcher/regeneration/parts.py), so an interrupted run resumes where it stopped. Candidates are then
 judged in order: junk (not ended by max_new_tokens, holding a template token, too short or long, not
@@ -155,7 +155,7 @@ class Judge:
 
 # ----------------------------------------------------------------------------- samplers
 class HFSampler:
-    """engine=hf: rounds of batch_size candidates, each round one generate() call seeded by its first index."""
+    """engine=hf: rounds of batch_size candidates, each round one batch (synthesize.decode) seeded by its start."""
 
     def __init__(self, cfg: DictConfig, opening: list[int], stop_ids: list[int], pad_id: int):
         from transformers import AutoModelForCausalLM
