@@ -25,10 +25,11 @@
 # RECIPE (default smollm2_135m) and RUN (the run's directory name under $WORK/runs) train another drafter on the same
 # data, e.g. DFlash 2: RECIPE=smollm2_135m_dflash2 RUN=smollm2-gpu-d2 with DRAFTER's settings and
 # "drafter.layer_types=[sliding_attention,sliding_attention,sliding_attention]" (one per layer).
-# REGEN_BATCH (default 4096): prompts per batch in synthesis and regeneration, decoded by the project's decode loop
-# (regenerate.decode=auto). Its step grows with the rows while the host's share stays fixed, so the rate grows with the
-# batch as far as the KV cache fits (docs/perf_notes.md, "A decode loop the GPU paces"). Keep it between calls: an
-# interrupted regeneration resumes only with the same batch.
+# REGEN_BATCH (default 4096): prompts per batch in synthesis and regeneration, decoded as DECODE (default auto: the
+# project's decode loop) says. The loop's step grows with the rows while the host's share stays fixed, so the rate grows
+# with the batch as far as the KV cache fits (docs/perf_notes.md, "A decode loop the GPU paces"). The fourth run's data
+# were decoded by HF generate at 2048 rows: DECODE=generate REGEN_BATCH=2048 decodes as it did. Keep both between
+# calls: an interrupted regeneration resumes only with the same batch and decode.
 # UNTIL (epoch seconds, a device call's end): answers and training stop then, wherever they are (answers resume and
 # training continues from its last checkpoint in the next call). Without it the data stage's answers stop after
 # REGEN_S (default 400) seconds per prompt set and training after TRAIN_S (default 480).
@@ -67,6 +68,7 @@ STEPS=${STEPS:-21000}
 # host's kernel launches a second process. Keep it between calls: a run resumes with its own topology.
 TOPOLOGY=${TOPOLOGY:-t1d1}
 REGEN_BATCH=${REGEN_BATCH:-4096}
+DECODE=${DECODE:-auto}
 CODE_PROMPTS=${CODE_PROMPTS:-16000}
 
 # Seconds from now to UNTIL (epoch seconds).
@@ -82,7 +84,7 @@ answer_prompts() {
     timeout $limit python3 -m launcher.regenerate \
       target=smollm2_135m target.dtype=bf16 regenerate.input=$data/prompts$set.jsonl \
       regenerate.output=$data/train$set.jsonl regenerate.engine=hf regenerate.max_new_tokens=256 \
-      regenerate.batch_size=$REGEN_BATCH >> "$out/regenerate$set.log" 2>&1
+      regenerate.batch_size=$REGEN_BATCH regenerate.decode=$DECODE >> "$out/regenerate$set.log" 2>&1
     status=$?; echo "regenerate$set: exit $status"; tail -c 700 "$out/regenerate$set.log"
     [ $status = 0 ] || return $status
   done
@@ -102,7 +104,7 @@ for s in "$@"; do case $s in
       if [ -z "$set" ]; then extra="synthesize.num_prompts=${PROMPTS:-24016} synthesize.heldout=16"
       else extra="synthesize.num_prompts=$CODE_PROMPTS"; fi
       python3 -m launcher.synthesize target=smollm2_135m target.dtype=bf16 synthesize.output=$data/prompts$set.jsonl \
-        synthesize.engine=hf synthesize.max_new_tokens=96 synthesize.batch_size=$REGEN_BATCH $extra \
+        synthesize.engine=hf synthesize.max_new_tokens=96 synthesize.batch_size=$REGEN_BATCH synthesize.decode=$DECODE $extra \
         ${set:+"synthesize.system_prompt='$CODE_SYSTEM'"} > "$out/synthesize$set.log" 2>&1 \
         || { tail -20 "$out/synthesize$set.log"; exit 1; }
     done
