@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dflash_core.drafter.model import apply_rope
+
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 BUCKET = 64   # slots per attention bucket: each bucket is one captured graph; a step reads < 64 unused slots
 
@@ -77,11 +79,6 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
 @dataclass(frozen=True)
 class _Layer:
     """One decoder layer's tensors, handed to the step's functions as arguments: compiled once, those
@@ -118,8 +115,8 @@ def _queries_keys_values(h: torch.Tensor, w: _Layer, cos: torch.Tensor, sin: tor
     v = F.linear(x, *w.v).view(B, T, -1, head_dim).transpose(1, 2)
     if w.qk_norm is not None:
         q, k = _rms_norm(q, w.qk_norm[0], w.qk_norm[2]), _rms_norm(k, w.qk_norm[1], w.qk_norm[2])
-    q = _rotate(q, cos, sin).transpose(1, 2) * scaling
-    return q, _rotate(k, cos, sin).transpose(1, 2), v
+    q = apply_rope(q, cos, sin).transpose(1, 2) * scaling
+    return q, apply_rope(k, cos, sin).transpose(1, 2), v
 
 
 def _after_attention(h: torch.Tensor, o: torch.Tensor, w: _Layer) -> torch.Tensor:
