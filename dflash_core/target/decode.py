@@ -163,22 +163,22 @@ class StaticDecoder:
         self._attend = compiled(_decode_attention, dynamic=True)   # its span grows bucket by bucket
 
     # ------------------------------------------------------------------ the forward pass
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor | None,
-                 span: int) -> torch.Tensor:
-        """Hidden states -> last position's logits [B, V]. Prefill (`slot` None): the T prompt tokens fill
-        slots 0..T-1, causal attention. Decode: one token per row written at `slot`, attending slots < span."""
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, *, prefill_mask: torch.Tensor | None = None,
+                 slot: torch.Tensor | None = None, span: int = 0) -> torch.Tensor:
+        """Hidden states -> last position's logits [B, V]. Prefill (`prefill_mask` [B, 1, T, T]): the T prompt
+        tokens fill slots 0..T-1. Decode: one token per row written at `slot`, attending slots < span."""
         model = self.model.model
         h = model.embed_tokens(ids)
         cos, sin = model.rotary_emb(h, positions)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)   # over the heads of [B, T, heads, D]
         T = ids.shape[1]
         for w, cache_k, cache_v in zip(self.layers, self.cache_k, self.cache_v):
-            if slot is None:
+            if prefill_mask is not None:
                 q, k, v = _queries_keys_values(h, w, cos, sin, self.head_dim, self.scaling)
                 cache_k[:, :, :T], cache_v[:, :, :T] = k, v
                 group = q.shape[1] // self.kv_heads   # the heads repeated, so a fused kernel takes the mask
                 o = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
-                                                   attn_mask=self.prefill_mask, scale=1.0)
+                                                   attn_mask=prefill_mask, scale=1.0)
                 h = _after_attention(h, o, w)
             else:
                 q, k, v = self._decode_qkv(h, w, cos, sin, self.head_dim, self.scaling)
@@ -192,7 +192,7 @@ class StaticDecoder:
     def _step(self, span: int) -> None:
         """Feeds the last chosen token at `slot`, chooses the next, advances the counters: all on the device."""
         self.key_bias.index_fill_(1, self.slot, 0.0)
-        logits = self._forward(self.token[:, None], self.position, self.slot, span)
+        logits = self._forward(self.token[:, None], self.position, slot=self.slot, span=span)
         self._emit(logits)
         self.slot.add_(1)
         self.position.add_(1)
@@ -238,17 +238,17 @@ class StaticDecoder:
         self.key_bias = torch.full((B, slots), -math.inf, device=device)
         self.key_bias[:, :width].masked_fill_(attention_mask, 0.0)
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-        self.prefill_mask = causal[None, None] & attention_mask[:, None, None, :]
+        prefill_mask = causal[None, None] & attention_mask[:, None, None, :]
         # A left-padded row's pads attend to nothing; give them their own slot so softmax stays finite.
-        self.prefill_mask |= torch.eye(width, dtype=torch.bool, device=device)[None, None]
+        prefill_mask |= torch.eye(width, dtype=torch.bool, device=device)[None, None]
         lengths = attention_mask.sum(-1)
         positions = (torch.arange(width, device=device)[None] - (width - lengths)[:, None]).clamp(min=0)
         self.out = torch.full((B, self.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
         self.finished = torch.zeros(B, dtype=torch.bool, device=device)
         self.token = torch.empty(B, dtype=torch.long, device=device)
         self.column = torch.zeros(1, dtype=torch.long, device=device)
-        self._emit(self._forward(input_ids, positions, None, width))
-        self.prefill_mask = None
+        self._emit(self._forward(input_ids, positions, prefill_mask=prefill_mask))
+        del prefill_mask   # [B, 1, T, T]: freed before the decode steps allocate theirs
         self.slot = torch.full((1,), width, dtype=torch.long, device=device)
         self.position = lengths[:, None].clone()
         graphs: dict[int, torch.cuda.CUDAGraph] = {}
