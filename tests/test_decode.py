@@ -14,21 +14,29 @@ STOP, PAD = 299, 0
 NEAR_TIE = 1e-4
 
 
-def _saved_and_loaded(tmp_path, config):
-    from transformers import AutoModelForCausalLM
+def _tiny(tmp_path, model_type: str, **settings):
+    """A tiny random `model_type` target (vocabulary 300, 4 query and 2 KV heads), saved and loaded back
+    through `from_pretrained`, in fp32."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.for_model(model_type, **{
+        "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+        "tie_word_embeddings": False, **settings})
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / config.model_type)
-    return AutoModelForCausalLM.from_pretrained(tmp_path / config.model_type, dtype=torch.float32).eval()
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / model_type)
+    return AutoModelForCausalLM.from_pretrained(tmp_path / model_type, dtype=torch.float32).eval()
 
 
 @pytest.fixture(params=["llama", "qwen2", "qwen3"])
 def target(request, tmp_path):
-    from transformers import AutoConfig
-    extra = {"qwen3": {"head_dim": 16}, "qwen2": {}, "llama": {}}[request.param]
-    config = AutoConfig.for_model(request.param, vocab_size=300, hidden_size=64, intermediate_size=128,
-                                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                                  max_position_embeddings=512, tie_word_embeddings=False, **extra)
-    return _saved_and_loaded(tmp_path, config)
+    return _tiny(tmp_path, request.param, **({"head_dim": 16} if request.param == "qwen3" else {}))
+
+
+@pytest.fixture
+def windowed(tmp_path):
+    """A Qwen3 whose first layer attends through a sliding window: a target the loop cannot run."""
+    return _tiny(tmp_path / "windowed", "qwen3", head_dim=16, num_hidden_layers=2, sliding_window=32,
+                 layer_types=["sliding_attention", "full_attention"], use_sliding_window=True)
 
 
 def _batch(lengths: list[int], seed: int = 1):
@@ -113,23 +121,15 @@ def test_sampling_draws_from_hf_warped_distribution(sampling):
     assert (frequency - expected).abs().max() < 0.015, (frequency, expected)
 
 
-def test_a_target_the_loop_cannot_run_is_named(tmp_path):
-    from transformers import AutoConfig
-    config = AutoConfig.for_model("qwen3", vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                  layer_types=["sliding_attention", "full_attention"], sliding_window=32,
-                                  use_sliding_window=True)
-    model = _saved_and_loaded(tmp_path, config)
-    assert "layers [0] use sliding-window attention" in unsupported(model)
+def test_a_target_the_loop_cannot_run_is_named(windowed):
+    assert "layers [0] use sliding-window attention" in unsupported(windowed)
     with pytest.raises(ValueError, match="sliding-window"):
-        StaticDecoder(model, 4, [STOP], PAD, Sampling())
+        StaticDecoder(windowed, 4, [STOP], PAD, Sampling())
 
 
-def test_decode_setting_picks_the_loop_or_refuses(tmp_path, caplog, target):
+def test_decode_setting_picks_the_loop_or_refuses(caplog, target, windowed):
     """auto takes the loop where it runs the target and HF generate, saying why, where not; static on a
     target it cannot run is a ConfigError naming the setting."""
-    from transformers import AutoConfig
-
     from dflash_core.data.prompts import Prompt
     from launcher.config import ConfigError
     from launcher.regeneration.hf import batch_decoder
@@ -139,10 +139,6 @@ def test_decode_setting_picks_the_loop_or_refuses(tmp_path, caplog, target):
     hf = batch_decoder(target, OmegaConf.merge(section, {"decode": "generate"}), "regenerate", [STOP], PAD)(prompts)
     assert [row[:len(h)] for row, h in zip(ours, hf)] == hf
 
-    windowed = _saved_and_loaded(tmp_path, AutoConfig.for_model(
-        "qwen3", vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, layer_types=["sliding_attention"], sliding_window=32,
-        use_sliding_window=True))
     with caplog.at_level(logging.INFO, logger="dflash"):
         batch_decoder(windowed, section, "synthesize", [STOP], PAD)
     assert "synthesize.decode=auto: HF generate" in caplog.text
