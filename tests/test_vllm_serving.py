@@ -98,6 +98,20 @@ def test_a_refused_configuration_is_read_in_vllms_own_words(tmp_path):
     assert refusal_in("ValueError: no such model\n") == "no such model" and refusal_in("Killed\n") is None
 
 
+def test_servers_start_without_vllms_aot_compile_unless_the_user_sets_it(tmp_path, monkeypatch):
+    # vLLM 0.32 cannot load its AOT-compiled model back on CPU: with it every start compiled again
+    # (docs/perf_notes.md, "vLLM's start on CPU").
+    fake = _fake_vllm(tmp_path, 'echo "ValueError: AOT=$VLLM_USE_AOT_COMPILE"; exit 3')
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    with pytest.raises(ServerExited) as started:
+        VllmServer(tmp_path, python=fake, log_path=tmp_path / "log").start()
+    assert started.value.refusal == "AOT=0"
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
+    with pytest.raises(ServerExited) as started:
+        VllmServer(tmp_path, python=fake, log_path=tmp_path / "log").start()
+    assert started.value.refusal == "AOT=1"
+
+
 _SERVER_PROCESS_PROBE = """
 import ctypes, os
 death_signal = ctypes.c_int()

@@ -192,8 +192,12 @@ class VllmServer:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         # Local paths only: a tiny target or an export must never be looked up on a hub.
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-               "DO_NOT_TRACK": "1", **self.env}
+        # VLLM_USE_AOT_COMPILE=0: vLLM 0.32 saves an AOT-compiled model on CPU but cannot load it back ("'function'
+        # object has no attribute 'finalize_loading'": inductor is off there), so every start compiled the model
+        # again; its older compile cache loads, which halves a warm start (docs/perf_notes.md, "vLLM's start on CPU").
+        # A value in the user's environment is kept.
+        env = {"VLLM_USE_AOT_COMPILE": "0", **os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **self.env}
         supervised = [sys.executable, "-m", supervisor.__name__, str(self.stop_grace_s),
                       *(["--log-to-remove", str(self.log_path)] if self.temporary_log else []), "--"]
         with open(self.log_path, "w") as log:
