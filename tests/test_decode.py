@@ -97,12 +97,14 @@ def test_a_row_that_stops_is_padding_after_its_stop_token(target):
     assert (out[:, 1:] == PAD).all() and (out[:, 0] != PAD).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sampling", [Sampling(temperature=0.7), Sampling(temperature=1.0, top_k=5),
                                       Sampling(temperature=1.3, top_p=0.8), Sampling(1.0, top_p=0.9, top_k=8)])
-def test_sampling_draws_from_hf_warped_distribution(sampling):
+def test_sampling_draws_from_hf_warped_distribution(sampling, dtype):
     """The token frequencies of 40,000 draws against the distribution HF's warpers (temperature, top-k,
     top-p) leave: nothing they cut, each frequency within 0.015 of its probability (about 6 standard
-    deviations of a frequency estimated from 40,000 draws, sqrt(0.25 / 40,000) = 0.0025)."""
+    deviations of a frequency estimated from 40,000 draws, sqrt(0.25 / 40,000) = 0.0025). bf16 logits, as a
+    bf16 head gives them, are cut by their own order and HF's warpers read them in fp32, as generate does."""
     from transformers.generation.logits_process import (
         LogitsProcessorList,
         TemperatureLogitsWarper,
@@ -110,11 +112,11 @@ def test_sampling_draws_from_hf_warped_distribution(sampling):
         TopPLogitsWarper,
     )
     torch.manual_seed(0)
-    logits = torch.randn(1, 24) * 2
+    logits = (torch.randn(1, 24) * 2).to(dtype)
     warpers = LogitsProcessorList([TemperatureLogitsWarper(sampling.temperature)]
                                   + ([TopKLogitsWarper(sampling.top_k)] if sampling.top_k else [])
                                   + ([TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1 else []))
-    expected = warpers(None, logits.clone()).softmax(-1)[0]
+    expected = warpers(None, logits.float()).softmax(-1)[0]
     draws = sampling.choose(logits.expand(40_000, -1))
     frequency = torch.bincount(draws, minlength=24).float() / draws.numel()
     assert not (frequency[expected == 0] > 0).any(), "drew a token the warpers cut"

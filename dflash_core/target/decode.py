@@ -57,7 +57,7 @@ class Sampling:
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
         """[B, V] logits -> [B] token ids, on the device and without a sync (capturable)."""
-        logits = logits.float()
+        raw, logits = logits, logits.float()
         if self.temperature == 0:
             return logits.argmax(-1)
         logits = logits / self.temperature
@@ -65,7 +65,11 @@ class Sampling:
             kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, -math.inf)
         if self.top_p < 1:
-            sorted_logits, order = logits.sort(dim=-1)   # ascending: the tail's mass is a cumulative sum
+            # Ascending, so the tail's mass is a cumulative sum. The order is read from the logits in the head's own
+            # dtype: a bf16 sort takes half an fp32 one's time, and neither the temperature nor the top-k cut (the
+            # lowest go) changes the order, so the fp32 values gathered by it are the fp32 sort's (ties aside).
+            order = raw.argsort(dim=-1)
+            sorted_logits = logits.gather(-1, order)
             tail = sorted_logits.softmax(-1).cumsum(-1) <= 1 - self.top_p
             tail[:, -1] = False   # the most likely token always stays
             logits = logits.masked_fill(tail.scatter(-1, order, tail), -math.inf)
