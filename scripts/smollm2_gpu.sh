@@ -16,12 +16,12 @@
 #                                              back; DATA_PARTS=DIR (a folder holding such parts, carried in) makes a
 #                                              later session's data stage unpack them instead of synthesising and
 #                                              answering again
-# PROMPTS (default 24016, 16 of them held out) chat prompts; CODE_PROMPTS (default 16000; 0: none) more synthesised
+# PROMPTS (default 56016, 16 of them held out) chat prompts; CODE_PROMPTS (default 20000; 0: none) more synthesised
 # under the system prompt CODE_SYSTEM (default: the Makefile's SMOLLM2_CODE_SYSTEM; the Magpie method steered to code
 # requests, none held out), and their answers, which training reads beside the chat set. The defaults (and STEPS's)
-# are the README's SmolLM2 drafter, four device calls on one H100 (docs/perf_notes.md, "GPU size, fourth run"): the
-# wheel's first half; `data pack` with UNTIL 505 s on (the code set's answers left to the next call); `train` with
-# UNTIL 540 s on; `train export` with UNTIL 325 s on (training resumes from its last checkpoint).
+# are the README's SmolLM2 drafter, three device calls on one H100 (docs/perf_notes.md, "GPU size, fifth run"): the
+# wheel's first half; `data pack` with UNTIL 550 s on (481 s); `train export` with UNTIL 545 s on (13,000 steps in
+# 464 s).
 # RECIPE (default smollm2_135m) and RUN (the run's directory name under $WORK/runs) train another drafter on the same
 # data, e.g. DFlash 2: RECIPE=smollm2_135m_dflash2 RUN=smollm2-gpu-d2 with DRAFTER's settings and
 # "drafter.layer_types=[sliding_attention,sliding_attention,sliding_attention]" (one per layer).
@@ -58,18 +58,19 @@ mkdir -p "$work"
 CODE_SYSTEM=${CODE_SYSTEM:-$(sed -n 's/^SMOLLM2_CODE_SYSTEM := //p' Makefile)}
 cd "$work" || exit 1
 # The drafter: 3 layers of the target's width, block 8 (the GPU verifies 8 tokens for about the cost of one),
-# 256 anchors a 512-token row, 4 rows a step; the recipe's mask token. From random weights and the layer ids the
+# 256 anchors a 512-token row, 8 rows a step (the target's forward paces the step, and 8 rows cost it little more than
+# 4: 1.68x the tokens/s); the recipe's mask token. From random weights and the layer ids the
 # third run measured: the recipe's drafter.init=target (the CPU size's start) held out no better after 1,000 steps
 # here (docs/perf_notes.md, "A drafter that starts as the target's last layers").
 DRAFTER=${DRAFTER:-"drafter.num_layers=3 drafter.block_size=8 drafter.num_anchors=256 drafter.chunk_blocks=128
-  train.micro_batch_size=4 data.fixed_length=512 drafter.init=random drafter.target_layer_ids=[1,10,18,27]"}
-STEPS=${STEPS:-21000}
+  train.micro_batch_size=8 data.fixed_length=512 drafter.init=random drafter.target_layer_ids=[1,10,18,27]"}
+STEPS=${STEPS:-13000}
 # TOPOLOGY (default t1d1): training's target and drafter ranks, all on the one GPU; t2d1 gives a target paced by its
 # host's kernel launches a second process. Keep it between calls: a run resumes with its own topology.
 TOPOLOGY=${TOPOLOGY:-t1d1}
 REGEN_BATCH=${REGEN_BATCH:-4096}
 DECODE=${DECODE:-auto}
-CODE_PROMPTS=${CODE_PROMPTS:-16000}
+CODE_PROMPTS=${CODE_PROMPTS:-20000}
 
 # Seconds from now to UNTIL (epoch seconds).
 seconds_left() { echo $(( UNTIL - $(date +%s) )); }
@@ -101,7 +102,7 @@ for s in "$@"; do case $s in
     # The chat set (16 held out) under the template's own system prompt; the code set (none held out) under CODE_SYSTEM.
     for set in "" $([ "$CODE_PROMPTS" -gt 0 ] && echo .code); do
       [ -f $data/prompts$set.jsonl ] && continue
-      if [ -z "$set" ]; then extra="synthesize.num_prompts=${PROMPTS:-24016} synthesize.heldout=16"
+      if [ -z "$set" ]; then extra="synthesize.num_prompts=${PROMPTS:-56016} synthesize.heldout=16"
       else extra="synthesize.num_prompts=$CODE_PROMPTS"; fi
       python3 -m launcher.synthesize target=smollm2_135m target.dtype=bf16 synthesize.output=$data/prompts$set.jsonl \
         synthesize.engine=hf synthesize.max_new_tokens=96 synthesize.batch_size=$REGEN_BATCH synthesize.decode=$DECODE $extra \
