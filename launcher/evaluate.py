@@ -84,19 +84,33 @@ def check_fits_target(ev: DictConfig, drafter_config, target_path: Path) -> None
                           f"{'; '.join(found)}; evaluate it with the target it was trained for{remedy}")
 
 
-def check_output(ev: DictConfig) -> Path:
-    """Before any work: the result file, which replaces an earlier result only with evaluate.overwrite."""
+def prompt_sets(ev: DictConfig) -> dict[str | None, list[Path]]:
+    """evaluate.data's prompt sets: a mapping {name: a path or paths} is decoded and reported set by set, with the
+    same target, drafter and servers (a server's start is most of a small set's time on CPU); a path or a list of
+    paths is one set (None)."""
+    if OmegaConf.is_dict(ev.data):
+        if not ev.data:
+            raise ConfigError("evaluate.data={}: name at least one set")
+        return {str(name): dataset_paths(paths, f"evaluate.data.{name}") for name, paths in ev.data.items()}
+    return {None: dataset_paths(ev.data, "evaluate.data")}
+
+
+def check_outputs(ev: DictConfig, names) -> dict[str | None, Path]:
+    """Before any work: each set's result file (a named set's is evaluate.output with `.<name>` before its suffix),
+    which replaces an earlier result only with evaluate.overwrite."""
     suffix = ".served.json" if ev.engine == "vllm" else ".speculative.json"   # each engine's result kept apart
     output = Path(ev.output) if ev.output else Path(str(Path(ev.drafter).resolve()) + suffix)
-    if output.exists() and not ev.overwrite:
-        try:
-            earlier = read_json(output)
-            what = f" (an earlier result: tau {earlier.get('tau')}, target {earlier.get('target')})"
-        except (OSError, ValueError):
-            what = ""
-        raise ConfigError(f"evaluate.output={str(output)!r} already exists{what}; set evaluate.overwrite=true to "
-                          f"replace it, or choose another evaluate.output")
-    return output
+    outputs = {name: output if name is None else output.with_suffix(f".{name}{output.suffix}") for name in names}
+    for path in outputs.values():
+        if path.exists() and not ev.overwrite:
+            try:
+                earlier = read_json(path)
+                what = f" (an earlier result: tau {earlier.get('tau')}, target {earlier.get('target')})"
+            except (OSError, ValueError):
+                what = ""
+            raise ConfigError(f"evaluate.output={str(path)!r} already exists{what}; set evaluate.overwrite=true to "
+                              f"replace it, or choose another evaluate.output")
+    return outputs
 
 
 def plain_margin(target):
@@ -127,12 +141,19 @@ def plain_margin(target):
 
 
 def evaluate(cfg: DictConfig) -> dict:
+    """The HF engine's report of evaluate.data, one set (see evaluate_sets)."""
+    (summary,) = evaluate_sets(cfg).values()
+    return summary
+
+
+def evaluate_sets(cfg: DictConfig) -> dict:
+    """{set name (None: evaluate.data is one set): report}, the target and drafter loaded once."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from dflash_core.data import load_tokenizer
     from dflash_core.data.prompts import stop_token_ids
-    from dflash_core.serving.speculative import default_walk, fp32_logits, greedy_decode, speculative_generate
+    from dflash_core.serving.speculative import default_walk
     from dflash_core.target.capture import check_target_files
 
     ev = cfg.evaluate
@@ -149,15 +170,29 @@ def evaluate(cfg: DictConfig) -> dict:
     target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     block_size = drafter.config.block_size
     max_prompt = target.config.max_position_embeddings - ev.max_new_tokens - block_size
-    prompts, skipped = load_prompts(dataset_paths(ev.data, "evaluate.data"), tokenizer, ev.num_prompts,
-                                    max_prompt_tokens=max_prompt, chat_template_kwargs=template_kwargs)
     eos = stop_token_ids(tokenizer, target.generation_config, template_kwargs)
-
     # A DFlash 2 drafts with its selector's walk, as vLLM does, and decodes again with its unary top-1 alone: what
     # the selector adds.
     walk = default_walk(drafter)
-    per_prompt, unary_rows, spec_s, greedy_s = [], [], 0.0, 0.0
     measure = plain_margin(target)
+    summaries = {}
+    for name, paths in prompt_sets(ev).items():
+        prompts, skipped = load_prompts(paths, tokenizer, ev.num_prompts, max_prompt_tokens=max_prompt,
+                                        chat_template_kwargs=template_kwargs)
+        summaries[name] = {"engine": "hf", "drafter": str(ev.drafter), "target": str(path), "device": str(device),
+                           "dtype": str(dtype).removeprefix("torch."), "logits_dtype": "float32", "skipped": skipped,
+                           "max_new_tokens": ev.max_new_tokens, "walk": walk,
+                           **decode_hf(ev, target, drafter, prompts, eos, walk, measure)}
+    return summaries
+
+
+def decode_hf(ev: DictConfig, target, drafter, prompts, eos, walk: str, measure) -> dict:
+    """The HF engine's speculative decoding of `prompts` (and with a DFlash 2 its unary walk, and plain greedy
+    decoding where losslessness is checked): the report's acceptance fields."""
+    from dflash_core.serving.speculative import fp32_logits, greedy_decode, speculative_generate
+
+    block_size = drafter.config.block_size
+    per_prompt, unary_rows, spec_s, greedy_s = [], [], 0.0, 0.0
     with fp32_logits(target):   # verification and plain decoding both choose from fp32 logits
         for ids in prompts:
             started = time.perf_counter()
@@ -176,10 +211,7 @@ def evaluate(cfg: DictConfig) -> dict:
             row = prompt_row(ids, result.tokens, len(result.accepted),
                              per_position_from_steps(result.accepted, block_size), reference, measure)
             per_prompt.append({**row, "accepted": result.accepted})
-    summary = {"engine": "hf", "drafter": str(ev.drafter), "target": str(path), "device": str(device),
-               "dtype": str(dtype).removeprefix("torch."), "logits_dtype": "float32", "skipped": skipped,
-               "max_new_tokens": ev.max_new_tokens, "walk": walk,
-               **summarize(per_prompt, block_size, speculative_s=spec_s, greedy_s=greedy_s)}
+    summary = summarize(per_prompt, block_size, speculative_s=spec_s, greedy_s=greedy_s)
     if unary_rows:
         unary = summarize(unary_rows, block_size, speculative_s=0.0, greedy_s=None)
         summary["unary_walk"] = {key: unary[key] for key in ("tau", "verify_steps", "per_position", "histogram",
@@ -280,43 +312,61 @@ def run(overrides: list[str]) -> int:
     ev = cfg.evaluate
     require(cfg, not ev.baselines or ev.engine == "vllm", "evaluate.baselines",
             "the baselines are served by vLLM: set evaluate.engine=vllm")
-    output = check_output(ev)
+    outputs = check_outputs(ev, prompt_sets(ev))
     if ev.engine == "vllm":
         from launcher.cli import stop_on_signals
-        from launcher.serving.served_evaluate import evaluate_served
+        from launcher.serving.served_evaluate import evaluate_served_sets
         try:
             with stop_on_signals():   # SIGTERM too stops the servers
-                summary = evaluate_served(cfg)
+                summaries = evaluate_served_sets(cfg)
         except KeyboardInterrupt as stopped:
-            stopped.left = f"no result was written to {output}; run the same command again to evaluate"
+            stopped.left = (f"no result was written to {', '.join(map(str, outputs.values()))}; run the same command "
+                            f"again to evaluate")
             raise
     else:
-        summary = evaluate(cfg)
+        summaries = evaluate_sets(cfg)
+    for name, summary in summaries.items():
+        report(name, summary, outputs[name])
+    # An export's card holds one acceptance length per engine: the first set's.
+    first = next(iter(summaries))
+    if (Path(ev.drafter) / CONFIG_NAME).is_file() and summaries[first]["tau"] is not None:
+        record_on_card(ev, first, summaries[first], outputs[first])
+    return 0
+
+
+def report(name: str | None, summary: dict, output: Path) -> None:
+    """One set's result: its file, its table, and a warning naming any real difference from plain decoding."""
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(summary, indent=2) + "\n")
+    if name is not None:
+        print(f"\nprompt set {name}:")
     print(format_table(summary))
     print(f"wrote {output}")
     if real_differences(summary):
         log.warning("speculative decoding changed the output beyond a near-tie of the plain run's logits, a bug: "
                     "%s (each prompt's `divergence` in %s)", real_differences(summary), output)
-    if (Path(ev.drafter) / CONFIG_NAME).is_file() and summary["tau"] is not None:   # an export: its card says it
-        engine = summary["engine"]
-        earlier = read_card_info(ev.drafter).get(acceptance_key(engine))
-        if not summary.get("drafter_checked", True):
-            log.warning("the model card of %s is not updated: which drafter the server at %s speculates with "
-                        "was not checked (said above), so these figures may be another drafter's; they are in %s",
-                        ev.drafter, summary["endpoint"], output)
-        elif earlier is None or ev.overwrite:
-            served_by = {"endpoint": summary["endpoint"]} if engine == "vllm" else {}   # where the figures came from
-            record_acceptance_length(ev.drafter, summary["tau"], {
-                "prompts": summary["prompts"], "data": OmegaConf.to_container(ev.data) if OmegaConf.is_config(ev.data)
-                else ev.data, "max_new_tokens": ev.max_new_tokens, "lossless": summary["lossless"], **served_by},
-                engine=engine)
-        else:
-            log.warning("the model card of %s keeps its earlier acceptance length %.3f (engine %s; "
-                        "evaluate.overwrite=true replaces it)", ev.drafter, earlier, engine)
-        print(acceptance_comparison(read_card_info(ev.drafter)))
-    return 0
+
+
+def record_on_card(ev: DictConfig, name: str | None, summary: dict, output: Path) -> None:
+    """The export's model card gets the set's acceptance length (replacing an earlier one only with
+    evaluate.overwrite), and shows it beside the card's other figures."""
+    engine = summary["engine"]
+    earlier = read_card_info(ev.drafter).get(acceptance_key(engine))
+    if not summary.get("drafter_checked", True):
+        log.warning("the model card of %s is not updated: which drafter the server at %s speculates with "
+                    "was not checked (said above), so these figures may be another drafter's; they are in %s",
+                    ev.drafter, summary["endpoint"], output)
+    elif earlier is None or ev.overwrite:
+        served_by = {"endpoint": summary["endpoint"]} if engine == "vllm" else {}   # where the figures came from
+        data = ev.data if name is None else ev.data[name]
+        record_acceptance_length(ev.drafter, summary["tau"], {
+            "prompts": summary["prompts"], "data": OmegaConf.to_container(data) if OmegaConf.is_config(data)
+            else data, "max_new_tokens": ev.max_new_tokens, "lossless": summary["lossless"], **served_by},
+            engine=engine)
+    else:
+        log.warning("the model card of %s keeps its earlier acceptance length %.3f (engine %s; "
+                    "evaluate.overwrite=true replaces it)", ev.drafter, earlier, engine)
+    print(acceptance_comparison(read_card_info(ev.drafter)))
 
 
 def main() -> None:

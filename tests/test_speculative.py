@@ -186,6 +186,32 @@ def test_evaluate_end_to_end(tmp_path, tiny_target_dir, drafter):
     assert "mean tau" in proc.stdout and "lossless" in proc.stdout
 
 
+def test_named_prompt_sets_are_each_reported_as_alone(tmp_path, tiny_target_dir, drafter):
+    """evaluate.data={name: path, ...} decodes every set with the same models (servers, with vLLM) and writes each
+    set's report where it goes, equal to the set evaluated alone; the card takes the first set's figure."""
+    from launcher.evaluate import run
+    from launcher.resolve import _BUNDLED
+
+    export_drafter(drafter, tmp_path / "export")
+    records = open(_BUNDLED["bundled:tiny_chat"]).read().splitlines()
+    for name, part in (("first", records[:2]), ("second", records[3:6])):
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(part) + "\n")
+    common = [f"target.path={tiny_target_dir}", f"evaluate.drafter={tmp_path / 'export'}", "evaluate.num_prompts=3",
+              "evaluate.max_new_tokens=8", "evaluate.device=cpu"]
+    assert run([*common, f"evaluate.data={{first:{tmp_path / 'first.jsonl'},second:{tmp_path / 'second.jsonl'}}}",
+                f"evaluate.output={tmp_path / 'sets.json'}"]) == 0
+    for name, prompts in (("first", 2), ("second", 3)):
+        together = json.loads((tmp_path / f"sets.{name}.json").read_text())
+        assert run([*common, f"evaluate.data={tmp_path / f'{name}.jsonl'}", f"evaluate.output={tmp_path / name}.json",
+                    "evaluate.overwrite=true"]) == 0
+        alone = json.loads((tmp_path / f"{name}.json").read_text())
+        assert together["prompts"] == prompts and together["lossless"] is True
+        for key in ("tau", "per_position", "histogram", "generated_tokens", "target_forwards"):
+            assert together[key] == alone[key], (name, key)
+        assert [row["tokens"] for row in together["per_prompt"]] == [row["tokens"] for row in alone["per_prompt"]]
+    assert not (tmp_path / "sets.json").exists()
+
+
 def test_an_output_speculation_changed_is_named_a_real_difference(tmp_path, tiny_target_dir, drafter, monkeypatch,
                                                                   capsys, caplog):
     """Issue 44: plain decoding made to take its runner-up at generated token 1, so the speculative output

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -298,24 +299,36 @@ def test_vllm_cpu_context_keys_norm_every_layer_with_the_first_layers_weight():
 
 @pytest.mark.xdist_group("vllm")
 @pytest.mark.timeout(1800)
-def test_ngram_baseline_is_served_on_the_same_prompts(served_qwen3, tmp_path):
+def test_ngram_baseline_is_served_on_the_same_prompts_of_each_set(served_qwen3, both_engines, tmp_path):
     """evaluate.baselines=[ngram]: vLLM's n-gram speculation decodes the same prompts on a server started
-    here, lossless against the plain server, its tokens per target forward beside the drafter's."""
+    here, lossless against the plain server, its tokens per target forward beside the drafter's. With two
+    named prompt sets the servers serve both: each set's report is its prompts' rows of one set's report."""
+    from launcher.resolve import _BUNDLED
+
+    records = Path(_BUNDLED["bundled:tiny_chat"]).read_text().splitlines()
+    (tmp_path / "a.jsonl").write_text("\n".join(records[:2]) + "\n")    # the bundled set's prompts 0 and 1
+    (tmp_path / "b.jsonl").write_text("\n".join(records[2:6]) + "\n")   # a text record (no prompt), then 2 to 4
     out = tmp_path / "served.json"
     cmd = [sys.executable, "-m", "launcher.evaluate", f"target.path={served_qwen3.target}",
            f"evaluate.drafter={served_qwen3.export}", "evaluate.engine=vllm", "evaluate.device=cpu",
            f"evaluate.endpoint={served_qwen3.speculative.url}", f"evaluate.plain_endpoint={served_qwen3.plain.url}",
            "evaluate.num_prompts=4", f"evaluate.max_new_tokens={served.MAX_NEW_TOKENS}", f"evaluate.output={out}",
+           f"evaluate.data={{a:{tmp_path / 'a.jsonl'},b:{tmp_path / 'b.jsonl'}}}",
            "evaluate.baselines=[ngram]", f"evaluate.vllm_args=[{','.join(served.SERVER_ARGS)}]"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1500, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
-    ngram = report["baselines"]["ngram"]
-    assert ngram["speculative_config"]["method"] == "ngram" and ngram["lossless"] is True
-    assert [row["tokens"] for row in ngram["per_prompt"]] == [row["tokens"] for row in report["per_prompt"]]
-    assert ngram["generated_tokens"] == report["generated_tokens"]
-    assert ngram["proposed_drafts"] <= ngram["verify_steps"]
-    assert ngram["tokens_per_target_forward"] >= 1.0 and len(ngram["per_position"]) == served.BLOCK_SIZE - 1
+    one_set = both_engines[1]["per_prompt"]
+    for name, rows in (("a", one_set[:2]), ("b", one_set[2:5])):
+        report = json.loads(out.with_suffix(f".{name}.json").read_text())
+        assert [(row["tokens"], row["drafts"], row["per_position"]) for row in report["per_prompt"]] == \
+            [(row["tokens"], row["drafts"], row["per_position"]) for row in rows], name
+        ngram = report["baselines"]["ngram"]
+        assert ngram["speculative_config"]["method"] == "ngram" and ngram["lossless"] is True
+        assert [row["tokens"] for row in ngram["per_prompt"]] == [row["tokens"] for row in report["per_prompt"]]
+        assert ngram["generated_tokens"] == report["generated_tokens"]
+        assert ngram["proposed_drafts"] <= ngram["verify_steps"]
+        assert ngram["tokens_per_target_forward"] >= 1.0 and len(ngram["per_position"]) == served.BLOCK_SIZE - 1
+    assert "prompt set a" in proc.stdout and "prompt set b" in proc.stdout
     assert "ngram (k=7)" in proc.stdout and "plain" in proc.stdout
 
 

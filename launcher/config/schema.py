@@ -260,7 +260,9 @@ class VllmServerSettings:
 class EvaluateSettings(VllmServerSettings):
     drafter: Optional[str] = knob(None, "an exported drafter dir (runs/<name>/export) or a checkpoint dir",
                                   nonempty=True)
-    data: Any = knob("bundled:tiny_chat", "chats to take prompts from (a path or a list of paths)")
+    data: Any = knob("bundled:tiny_chat", "chats to take prompts from: a path or a list of paths (one set), or "
+                     "{name: a path or paths} (each set decoded and reported on its own, with the same servers; its "
+                     "result is evaluate.output with .<name> before the suffix)")
     num_prompts: int = knob(16, "the first N conversations; prompt = turns before the last assistant turn", ge=1)
     max_new_tokens: int = knob(64, "tokens generated per prompt", ge=1)
     device: str = knob("auto", "auto (cuda when available) | cpu | cuda", choices=DEVICES)

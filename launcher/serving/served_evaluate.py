@@ -91,19 +91,19 @@ def _client(checked: OpenAIClient | None, target: Path, speculative: dict | None
 
 
 def decode_speculative(client: OpenAIClient, prompts, *, max_tokens: int, stop: list[int]):
-    """-> [(tokens, drafts, per_position)] per prompt, and the seconds spent decoding."""
-    results, seconds = [], 0.0
+    """-> [(tokens, drafts, per_position, seconds decoding)] per prompt."""
+    results = []
     before = parse_spec_counters(client.metrics())
     for ids in prompts:
         started = time.perf_counter()
         tokens = client.complete_ids(ids, max_tokens=max_tokens, stop_token_ids=stop)
-        seconds += time.perf_counter() - started
+        seconds = time.perf_counter() - started
         after = parse_spec_counters(client.metrics())
         per_position = [int(after["per_position"].get(j, 0) - before["per_position"].get(j, 0))
                         for j in range(len(after["per_position"]))]
-        results.append((tokens, int(after["num_drafts"] - before["num_drafts"]), per_position))
+        results.append((tokens, int(after["num_drafts"] - before["num_drafts"]), per_position, seconds))
         before = after
-    return results, seconds
+    return results
 
 
 def ngram_row(ids, tokens, proposed: int, per_position: list[int], reference, measure=None) -> dict:
@@ -136,18 +136,31 @@ def served_margin(client: OpenAIClient, dtype: str):
 
 
 def decode_plain(client: OpenAIClient, prompts, *, max_tokens: int, stop: list[int]):
-    started = time.perf_counter()
-    outputs = [client.complete_ids(ids, max_tokens=max_tokens, stop_token_ids=stop) for ids in prompts]
-    return outputs, time.perf_counter() - started
+    """-> [(tokens, seconds decoding)] per prompt."""
+    outputs = []
+    for ids in prompts:
+        started = time.perf_counter()
+        outputs.append((client.complete_ids(ids, max_tokens=max_tokens, stop_token_ids=stop),
+                        time.perf_counter() - started))
+    return outputs
 
 
 def evaluate_served(cfg: DictConfig) -> dict:
+    """The served report of evaluate.data, one set (see evaluate_served_sets)."""
+    (summary,) = evaluate_served_sets(cfg).values()
+    return summary
+
+
+def evaluate_served_sets(cfg: DictConfig) -> dict:
+    """{set name (None: evaluate.data is one set): report}: each server (the drafter's, n-gram's, plain) started
+    once and every set's prompts decoded on it, one prompt at a time."""
     from transformers import AutoConfig, GenerationConfig
 
     from dflash_core.data import load_tokenizer
     from dflash_core.data.prompts import stop_token_ids
     from dflash_core.target.families import text_config
-    from launcher.resolve import compute_dtype, dataset_paths, ensure_embedded_target, resolve_device, target_dir
+    from launcher.evaluate import prompt_sets
+    from launcher.resolve import compute_dtype, ensure_embedded_target, resolve_device, target_dir
     from launcher.serving.acceptance import load_prompts
 
     ev = cfg.evaluate
@@ -177,14 +190,15 @@ def evaluate_served(cfg: DictConfig) -> dict:
         generation_config = None
     max_model_len = text_config(AutoConfig.from_pretrained(path)).max_position_embeddings
     max_prompt = max_model_len - ev.max_new_tokens - block_size
-    prompts, skipped = load_prompts(dataset_paths(ev.data, "evaluate.data"), tokenizer, ev.num_prompts,
-                                    max_prompt_tokens=max_prompt, chat_template_kwargs=template_kwargs)
+    sets = {name: load_prompts(paths, tokenizer, ev.num_prompts, max_prompt_tokens=max_prompt,
+                               chat_template_kwargs=template_kwargs) for name, paths in prompt_sets(ev).items()}
+    prompts = [ids for set_prompts, _ in sets.values() for ids in set_prompts]   # every set's, in order
     stop = stop_token_ids(tokenizer, generation_config, template_kwargs)
 
     try:
         with _client(speculating, path, speculative_config(str(ev.drafter), block_size), ev, dtype,
                      max_model_len) as client:
-            speculative, spec_s = decode_speculative(client, prompts, max_tokens=ev.max_new_tokens, stop=stop)
+            speculative = decode_speculative(client, prompts, max_tokens=ev.max_new_tokens, stop=stop)
     except ServerExited as exc:
         if not (dflash2 and exc.refusal):
             raise
@@ -195,28 +209,41 @@ def evaluate_served(cfg: DictConfig) -> dict:
     ngram = ngram_config(ev, block_size) if "ngram" in ev.baselines else None
     if ngram:
         with _client(None, path, ngram, ev, dtype, max_model_len) as client:
-            ngram_outputs, ngram_s = decode_speculative(client, prompts, max_tokens=ev.max_new_tokens, stop=stop)
+            ngram_outputs = decode_speculative(client, prompts, max_tokens=ev.max_new_tokens, stop=stop)
     # Plain decoding last: every divergence from it is read on its server.
-    references, greedy_s, measure = [None] * len(prompts), None, None
+    references, measure = [(None, 0.0)] * len(prompts), None
+    summaries, start = {}, 0
     with contextlib.ExitStack() as stack:
         if ev.check_lossless:
             client = stack.enter_context(_client(plain, path, None, ev, dtype, max_model_len))
-            references, greedy_s = decode_plain(client, prompts, max_tokens=ev.max_new_tokens, stop=stop)
+            references = decode_plain(client, prompts, max_tokens=ev.max_new_tokens, stop=stop)
             measure = served_margin(client, dtype)
-        per_prompt = [prompt_row(ids, tokens, drafts, per_position, reference, measure)
-                      for ids, (tokens, drafts, per_position), reference in zip(prompts, speculative, references)]
-        baselines = {}
-        if ngram:
-            rows = [ngram_row(ids, tokens, proposed, per_position, reference, measure)
-                    for ids, (tokens, proposed, per_position), reference in zip(prompts, ngram_outputs, references)]
-            baselines["ngram"] = {"speculative_config": ngram,
-                                  "proposed_drafts": sum(r["proposed_drafts"] for r in rows),
-                                  **summarize(rows, ngram["num_speculative_tokens"] + 1, speculative_s=ngram_s,
-                                              greedy_s=greedy_s)}
-    return {"engine": "vllm", "endpoint": ev.endpoint or "started here", "drafter": str(ev.drafter),
-            "drafter_checked": drafter_checked, "target": str(path), "device": "vllm", "dtype": dtype,
-            "logits_dtype": dtype,   # vLLM's head computes in the served dtype; its sampler upcasts after
-            "skipped": skipped, "max_new_tokens": ev.max_new_tokens,
-            "walk": "selector" if dflash2 else "unary",   # how vLLM 0.32 drafts each kind
-            **summarize(per_prompt, block_size, speculative_s=spec_s, greedy_s=greedy_s),
-            **({"baselines": baselines} if baselines else {})}
+        for name, (set_prompts, skipped) in sets.items():
+            part = slice(start, start + len(set_prompts))
+            start = part.stop
+            greedy_s = sum(seconds for _, seconds in references[part]) if ev.check_lossless else None
+            per_prompt = [prompt_row(ids, tokens, drafts, per_position, reference, measure)
+                          for ids, (tokens, drafts, per_position, _), (reference, _) in
+                          zip(set_prompts, speculative[part], references[part])]
+            baselines = {}
+            if ngram:
+                rows = [ngram_row(ids, tokens, proposed, per_position, reference, measure)
+                        for ids, (tokens, proposed, per_position, _), (reference, _) in
+                        zip(set_prompts, ngram_outputs[part], references[part])]
+                baselines["ngram"] = {"speculative_config": ngram,
+                                      "proposed_drafts": sum(r["proposed_drafts"] for r in rows),
+                                      **summarize(rows, ngram["num_speculative_tokens"] + 1,
+                                                  speculative_s=_seconds(ngram_outputs[part]), greedy_s=greedy_s)}
+            summaries[name] = {
+                "engine": "vllm", "endpoint": ev.endpoint or "started here", "drafter": str(ev.drafter),
+                "drafter_checked": drafter_checked, "target": str(path), "device": "vllm", "dtype": dtype,
+                "logits_dtype": dtype,   # vLLM's head computes in the served dtype; its sampler upcasts after
+                "skipped": skipped, "max_new_tokens": ev.max_new_tokens,
+                "walk": "selector" if dflash2 else "unary",   # how vLLM 0.32 drafts each kind
+                **summarize(per_prompt, block_size, speculative_s=_seconds(speculative[part]), greedy_s=greedy_s),
+                **({"baselines": baselines} if baselines else {})}
+    return summaries
+
+
+def _seconds(outputs) -> float:
+    return sum(output[-1] for output in outputs)
