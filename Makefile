@@ -88,8 +88,10 @@ $(OWN_CHATS)/train.jsonl: | install
 # HF engine.
 SMOLLM2 := .cache/smollm2-135m-instruct
 SMOLLM2_DATA := .cache/smollm2-data-v2
-SMOLLM2_PROMPTS ?= 512
-SMOLLM2_CODE_PROMPTS ?= 256
+# Two thirds code: against 512 chat and 256 code prompts, both held-out sets were served at more tokens per target
+# forward (docs/perf_notes.md, "SmolLM2-135M-Instruct on CPU, fourth run").
+SMOLLM2_PROMPTS ?= 256
+SMOLLM2_CODE_PROMPTS ?= 512
 SMOLLM2_CODE_SYSTEM := You are a Python programming assistant. Users ask you to write Python functions, explain code and fix bugs.
 SMOLLM2_HELDOUT := 16
 SMOLLM2_ENGINE ?= $(if $(wildcard $(VLLM_VENV)/bin/python),vllm,hf)
