@@ -189,11 +189,11 @@ def test_evaluate_end_to_end(tmp_path, tiny_target_dir, drafter):
 def test_named_prompt_sets_are_each_reported_as_alone(tmp_path, tiny_target_dir, drafter):
     """evaluate.data={name: path, ...} decodes every set with the same models (servers, with vLLM) and writes each
     set's report where it goes, equal to the set evaluated alone; the card takes the first set's figure."""
+    from dflash_core.target.tiny import BUNDLED_DATASET
     from launcher.evaluate import run
-    from launcher.resolve import _BUNDLED
 
     export_drafter(drafter, tmp_path / "export")
-    records = open(_BUNDLED["bundled:tiny_chat"]).read().splitlines()
+    records = BUNDLED_DATASET.read_text().splitlines()
     for name, part in (("first", records[:2]), ("second", records[3:6])):
         (tmp_path / f"{name}.jsonl").write_text("\n".join(part) + "\n")
     common = [f"target.path={tiny_target_dir}", f"evaluate.drafter={tmp_path / 'export'}", "evaluate.num_prompts=3",

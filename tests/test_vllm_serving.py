@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -303,9 +302,9 @@ def test_ngram_baseline_is_served_on_the_same_prompts_of_each_set(served_qwen3, 
     """evaluate.baselines=[ngram]: vLLM's n-gram speculation decodes the same prompts on a server started
     here, lossless against the plain server, its tokens per target forward beside the drafter's. With two
     named prompt sets the servers serve both: each set's report is its prompts' rows of one set's report."""
-    from launcher.resolve import _BUNDLED
+    from dflash_core.target.tiny import BUNDLED_DATASET
 
-    records = Path(_BUNDLED["bundled:tiny_chat"]).read_text().splitlines()
+    records = BUNDLED_DATASET.read_text().splitlines()
     (tmp_path / "a.jsonl").write_text("\n".join(records[:2]) + "\n")    # the bundled set's prompts 0 and 1
     (tmp_path / "b.jsonl").write_text("\n".join(records[2:6]) + "\n")   # a text record (no prompt), then 2 to 4
     out = tmp_path / "served.json"
