@@ -87,13 +87,14 @@ $(OWN_CHATS)/train.jsonl: | install
 # served by vLLM beside vLLM's n-gram speculation and plain decoding (docs/serving.md), or without .venv-vllm by the
 # HF engine.
 SMOLLM2 := .cache/smollm2-135m-instruct
-# The name changes with the default mix below, so a cache of another mix is not read as this one.
-SMOLLM2_DATA := .cache/smollm2-data-v3
 # Five sixths code: HumanEval was served at more tokens per target forward with each shift from chat to code (512 chat +
 # 256 code, 256 + 512, 128 + 640), and the chat set stays ahead of n-gram (docs/perf_notes.md, "SmolLM2-135M-Instruct on
 # CPU, fourth run" and "fifth run").
 SMOLLM2_PROMPTS ?= 128
 SMOLLM2_CODE_PROMPTS ?= 640
+# The name carries the record format (v2: the generated token ids) and the mix, so a cache of another mix (a default's
+# or a user's) is never read as this one.
+SMOLLM2_DATA := .cache/smollm2-data-v2-$(SMOLLM2_PROMPTS)chat-$(SMOLLM2_CODE_PROMPTS)code
 SMOLLM2_CODE_SYSTEM := You are a Python programming assistant. Users ask you to write Python functions, explain code and fix bugs.
 SMOLLM2_HELDOUT := 16
 SMOLLM2_ENGINE ?= $(if $(wildcard $(VLLM_VENV)/bin/python),vllm,hf)

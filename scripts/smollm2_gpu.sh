@@ -140,7 +140,7 @@ print(parse_topology(sys.argv[1], None).world_size)" "$TOPOLOGY") || exit 2
   export)
     # The last checkpoint's, unless training's own export is newer (an earlier call's export of a stopped run is not).
     last=$(ls -d $run/checkpoints/step_* | tail -1)
-    if [ ! -f $export_dir/config.json ] || [ $last -nt $export_dir/config.json ]; then
+    if [ ! -f $export_dir/config.json ] || [ "$last" -nt $export_dir/config.json ]; then
       rm -rf $export_dir && python3 -m launcher.export export.checkpoint=$last export.out=$export_dir || exit 1
     fi
     tar -czf "$out/export.tar.gz" -C $run export ;;
