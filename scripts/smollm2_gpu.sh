@@ -19,10 +19,11 @@
 # PROMPTS (default 56016, 16 of them held out) chat prompts; CODE_PROMPTS (default 20000; 0: none) more synthesised
 # under the system prompt CODE_SYSTEM (default: the Makefile's SMOLLM2_CODE_SYSTEM; the Magpie method steered to code
 # requests, none held out), and their answers, which training reads beside the chat set. The defaults (and STEPS's)
-# are the README's SmolLM2 drafter (docs/perf_notes.md, "GPU size, sixth run"), four device calls on one H100: the
-# wheel's first half; `data pack` with UNTIL 550 s on (481 s in the fifth run); `train` with UNTIL 545 s on (to step
-# 9,000); `train export` with what the session has left (to step 17,500 in 415 s: the steps left of the schedule
-# end at a checkpoint, and the export is the last one's).
+# are the README's SmolLM2 drafter (docs/perf_notes.md, "GPU size, sixth run"), made in one session's four device calls
+# on one H100 ("seventh run", 1,644 s held): the wheel's first half and the other wheels (1 s); `data` with UNTIL 560 s
+# on (550 s); `train` with UNTIL 545 s on (to step 9,500); `train export` (the other 8,000 steps and the export, 429 s).
+# With a machine start past ~250 s the last call has too little left for the whole schedule: its last checkpoint is
+# exported.
 # RECIPE (default smollm2_135m) and RUN (the run's directory name under $WORK/runs) train another drafter on the same
 # data, e.g. DFlash 2: RECIPE=smollm2_135m_dflash2 RUN=smollm2-gpu-d2 with DRAFTER's settings and
 # "drafter.layer_types=[sliding_attention,sliding_attention,sliding_attention,sliding_attention,sliding_attention]"
@@ -67,7 +68,7 @@ cd "$work" || exit 1
 # here (docs/perf_notes.md, "A drafter that starts as the target's last layers").
 DRAFTER=${DRAFTER:-"drafter.num_layers=5 drafter.block_size=8 drafter.num_anchors=256 drafter.chunk_blocks=128
   train.micro_batch_size=8 data.fixed_length=512 drafter.init=random drafter.target_layer_ids=[1,10,18,27]"}
-STEPS=${STEPS:-18000}
+STEPS=${STEPS:-17500}
 # TOPOLOGY (default t1d1): training's target and drafter ranks, all on the one GPU; t2d1 gives a target paced by its
 # host's kernel launches a second process. Keep it between calls: a run resumes with its own topology.
 TOPOLOGY=${TOPOLOGY:-t1d1}
