@@ -19,11 +19,11 @@
 # PROMPTS (default 56032, HELDOUT (default 32) of them held out) chat prompts; CODE_PROMPTS (default 20000; 0: none)
 # more synthesised under the system prompt CODE_SYSTEM (default: the Makefile's SMOLLM2_CODE_SYSTEM; the Magpie method
 # steered to code requests, none held out), and their answers, which training reads beside the chat set. The defaults
-# (and STEPS's) are the README's SmolLM2 drafter (docs/perf_notes.md, "GPU size, sixth run"), made in one session's four device calls
-# on one H100 ("seventh run", 1,644 s held): the wheel's first half and the other wheels (1 s); `data` with UNTIL 560 s
-# on (550 s); `train` with UNTIL 545 s on (to step 9,500); `train export` (the other 8,000 steps and the export, 429 s).
-# With a machine start past ~250 s the last call has too little left for the whole schedule: its last checkpoint is
-# exported.
+# (and STEPS's) are the README's SmolLM2 drafter (docs/perf_notes.md, "GPU size, sixth run"), made in one session's
+# four device calls on one H100 ("seventh run", 1,644 s held): the wheel's first half and the other wheels (1 s);
+# `data` with UNTIL 560 s on (550 s); `train` with UNTIL 545 s on (to step 9,500); `train export` (the other 8,000
+# steps and the export, 429 s). With a machine start past ~250 s the last call has too little left for the whole
+# schedule: its last checkpoint is exported.
 # RECIPE (default smollm2_135m) and RUN (the run's directory name under $WORK/runs) train another drafter on the same
 # data, e.g. DFlash 2: RECIPE=smollm2_135m_dflash2 RUN=smollm2-gpu-d2 with DRAFTER's settings and
 # "drafter.layer_types=[sliding_attention,sliding_attention,sliding_attention,sliding_attention,sliding_attention]"
