@@ -27,6 +27,7 @@ from launcher.resolve import compute_dtype, dataset_paths, ensure_embedded_targe
 from launcher.serving.acceptance import (
     NEAR_TIE,
     NOT_A_TIE,
+    decoding,
     load_prompts,
     per_position_from_steps,
     prompt_row,
@@ -194,7 +195,7 @@ def decode_hf(ev: DictConfig, target, drafter, prompts, eos, walk: str, measure)
     block_size = drafter.config.block_size
     per_prompt, unary_rows, spec_s, greedy_s = [], [], 0.0, 0.0
     with fp32_logits(target):   # verification and plain decoding both choose from fp32 logits
-        for ids in prompts:
+        for ids in decoding(prompts, "evaluating"):
             started = time.perf_counter()
             result = speculative_generate(target, drafter, ids, max_new_tokens=ev.max_new_tokens, eos_token_id=eos)
             spec_s += time.perf_counter() - started

@@ -184,6 +184,7 @@ def test_evaluate_end_to_end(tmp_path, tiny_target_dir, drafter):
     assert 1 <= summary["tau"] <= BLOCK_SIZE
     assert sum(summary["histogram"].values()) == summary["verify_steps"]
     assert "mean tau" in proc.stdout and "lossless" in proc.stdout
+    assert "evaluating:" in proc.stderr and "0/2 [" in proc.stderr   # the progress bar over the set's 2 prompts
 
 
 def test_named_prompt_sets_are_each_reported_as_alone(tmp_path, tiny_target_dir, drafter):

@@ -21,7 +21,7 @@ from dflash_core.drafter.dflash2 import DFlash2Config
 from dflash_core.serving.export import CONFIG_NAME, WEIGHTS_NAME, check_export
 from launcher.config import ConfigError
 from launcher.evaluate import check_fits_target
-from launcher.serving.acceptance import prompt_row, summarize, tie_tolerance
+from launcher.serving.acceptance import decoding, prompt_row, summarize, tie_tolerance
 from launcher.serving.endpoint_check import check_serves_drafter, check_serves_target
 from launcher.serving.openai_client import OpenAIClient, ServerError
 from launcher.serving.vllm_server import ServerExited, VllmServer, parse_spec_counters
@@ -90,11 +90,12 @@ def _client(checked: OpenAIClient | None, target: Path, speculative: dict | None
         yield OpenAIClient(started.url, max_retries=0)
 
 
-def decode_speculative(client: OpenAIClient, prompts, *, max_tokens: int, stop: list[int]):
-    """-> [(tokens, drafts, per_position, seconds decoding)] per prompt."""
+def decode_speculative(client: OpenAIClient, prompts, *, max_tokens: int, stop: list[int], what: str):
+    """-> [(tokens, drafts, per_position, seconds decoding)] per prompt; `what` names the speculation in the
+    progress bar."""
     results = []
     before = parse_spec_counters(client.metrics())
-    for ids in prompts:
+    for ids in decoding(prompts, what):
         started = time.perf_counter()
         tokens = client.complete_ids(ids, max_tokens=max_tokens, stop_token_ids=stop)
         seconds = time.perf_counter() - started
@@ -138,7 +139,7 @@ def served_margin(client: OpenAIClient, dtype: str):
 def decode_plain(client: OpenAIClient, prompts, *, max_tokens: int, stop: list[int]):
     """-> [(tokens, seconds decoding)] per prompt."""
     outputs = []
-    for ids in prompts:
+    for ids in decoding(prompts, "plain decoding"):
         started = time.perf_counter()
         outputs.append((client.complete_ids(ids, max_tokens=max_tokens, stop_token_ids=stop),
                         time.perf_counter() - started))
@@ -198,7 +199,8 @@ def evaluate_served_sets(cfg: DictConfig) -> dict:
     try:
         with _client(speculating, path, speculative_config(str(ev.drafter), block_size), ev, dtype,
                      max_model_len) as client:
-            speculative = decode_speculative(client, prompts, max_tokens=ev.max_new_tokens, stop=stop)
+            speculative = decode_speculative(client, prompts, max_tokens=ev.max_new_tokens, stop=stop,
+                                             what="the drafter's speculative decoding")
     except ServerExited as exc:
         if not (dflash2 and exc.refusal):
             raise
@@ -209,7 +211,8 @@ def evaluate_served_sets(cfg: DictConfig) -> dict:
     ngram = ngram_config(ev, block_size) if "ngram" in ev.baselines else None
     if ngram:
         with _client(None, path, ngram, ev, dtype, max_model_len) as client:
-            ngram_outputs = decode_speculative(client, prompts, max_tokens=ev.max_new_tokens, stop=stop)
+            ngram_outputs = decode_speculative(client, prompts, max_tokens=ev.max_new_tokens, stop=stop,
+                                               what="n-gram speculative decoding")
     # Plain decoding last: every divergence from it is read on its server.
     references, measure = [(None, 0.0)] * len(prompts), None
     summaries, start = {}, 0
