@@ -9,8 +9,8 @@
 #                                              stage resumes it (keep STEPS: the lr schedule counts them)
 #   bash scripts/smollm2_gpu.sh OUT export     the export (of the last checkpoint when training was stopped); OUT
 #                                              gets it as a tarball
-#   bash scripts/smollm2_gpu.sh OUT evaluate   launcher.evaluate (HF engine) of the export on held-out HumanEval
-#                                              and synthesised prompts; OUT gets the reports
+#   bash scripts/smollm2_gpu.sh OUT evaluate   launcher.evaluate (HF engine) of the export on the first HELDOUT
+#                                              HumanEval and held-out synthesised prompts; OUT gets the reports
 #   bash scripts/smollm2_gpu.sh OUT pack       the data stage's prompts and answers (an unfinished regeneration's
 #                                              parts too) as OUT/data.txz.*, 15 MB parts a device call can bring
 #                                              back; DATA_PARTS=DIR (a folder holding such parts, carried in) makes a
@@ -27,7 +27,7 @@
 # RECIPE (default smollm2_135m) and RUN (the run's directory name under $WORK/runs) train another drafter on the same
 # data, e.g. DFlash 2: RECIPE=smollm2_135m_dflash2 RUN=smollm2-gpu-d2 with DRAFTER's settings and
 # "drafter.layer_types=[sliding_attention,sliding_attention,sliding_attention,sliding_attention,sliding_attention]"
-# (one per layer).
+# (one per layer); the eighth run's (docs/perf_notes.md) added drafter.kl_weight=0.5.
 # REGEN_BATCH (default 4096): prompts per batch in synthesis and regeneration, decoded as DECODE (default auto: the
 # project's decode loop) says. The loop's step grows with the rows while the host's share stays fixed, so the rate grows
 # with the batch as far as the KV cache fits (docs/perf_notes.md, "A decode loop the GPU paces"). The fourth run's data
@@ -149,13 +149,12 @@ print(parse_topology(sys.argv[1], None).world_size)" "$TOPOLOGY") || exit 2
     fi
     tar -czf "$out/export.tar.gz" -C $run export ;;
   evaluate)
-    # Verified in fp32: greedy near-ties between two GEMM shapes' bf16 roundings are rare there.
-    for set in humaneval prompts.heldout; do
-      python3 -m launcher.evaluate target=smollm2_135m evaluate.drafter=$export_dir evaluate.data=$data/$set.jsonl \
-        evaluate.num_prompts=$HELDOUT evaluate.max_new_tokens=128 target.dtype=fp32 evaluate.output="$out/hf.$set.json" \
-        > "$out/evaluate.$set.log" 2>&1
-      echo "evaluate $set: exit $?"; tail -22 "$out/evaluate.$set.log"
-    done ;;
+    # Both sets in one call (the target and drafter loaded once), the first HELDOUT prompts of each; verified in fp32:
+    # greedy near-ties between two GEMM shapes' bf16 roundings are rare there.
+    python3 -m launcher.evaluate target=smollm2_135m evaluate.drafter=$export_dir target.dtype=fp32 \
+      "evaluate.data={humaneval:$data/humaneval.jsonl,synthesised:$data/prompts.heldout.jsonl}" \
+      evaluate.num_prompts=$HELDOUT evaluate.max_new_tokens=128 evaluate.output="$out/hf.json" > "$out/evaluate.log" 2>&1
+    echo "evaluate: exit $?"; tail -40 "$out/evaluate.log" ;;
   pack)
     # An unfinished regeneration's parts too: the next data or train stage resumes them.
     (cd $data && tar -cf - *.jsonl $(ls -d *.parts 2>/dev/null)) | xz -T0 -3 | split -b 15M - "$out/data.txz." || exit 1
