@@ -24,10 +24,10 @@ from dflash_core.serving.model_card import (
 )
 from launcher.config import ConfigError, compose_config, require
 from launcher.resolve import compute_dtype, dataset_paths, ensure_embedded_target, resolve_device, target_dir
+from launcher.run_io.progress import prompt_progress
 from launcher.serving.acceptance import (
     NEAR_TIE,
     NOT_A_TIE,
-    decoding,
     load_prompts,
     per_position_from_steps,
     prompt_row,
@@ -195,7 +195,8 @@ def decode_hf(ev: DictConfig, target, drafter, prompts, eos, walk: str, measure)
     block_size = drafter.config.block_size
     per_prompt, unary_rows, spec_s, greedy_s = [], [], 0.0, 0.0
     with fp32_logits(target):   # verification and plain decoding both choose from fp32 logits
-        for ids in decoding(prompts, "evaluating"):
+        # An evaluation on CPU runs for minutes per prompt set: its bar, cleared before the report.
+        for ids in prompt_progress("evaluating", prompts, leave=False):
             started = time.perf_counter()
             result = speculative_generate(target, drafter, ids, max_new_tokens=ev.max_new_tokens, eos_token_id=eos)
             spec_s += time.perf_counter() - started

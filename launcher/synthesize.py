@@ -24,7 +24,6 @@ import logging
 import os
 import re
 import shutil
-import sys
 import time
 import unicodedata
 from collections import Counter, defaultdict
@@ -37,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from dflash_core.files.durable import write_jsonl
 from launcher.config import ConfigError, compose_config, require
 from launcher.regeneration.parts import PartWriter, part_file, read_part, start_parts
+from launcher.run_io.progress import prompt_progress
 
 log = logging.getLogger("dflash")
 USAGE = """\
@@ -256,7 +256,6 @@ def record(k: int, s: DictConfig, text: str) -> dict:
 
 
 def synthesize(cfg: DictConfig) -> dict:
-    from tqdm import tqdm
     from transformers import GenerationConfig
 
     from dflash_core.data import load_tokenizer
@@ -285,8 +284,7 @@ def synthesize(cfg: DictConfig) -> dict:
     if done:
         log.info("resuming: %d user turns sampled before", len(done))
     judge, kept, k = Judge(tokenizer, s), [], 0
-    bar = tqdm(total=s.num_prompts, unit=" prompts", desc="synthesizing", file=sys.stderr, mininterval=1.0,
-               dynamic_ncols=True)
+    bar = prompt_progress("synthesizing", total=s.num_prompts)
     sampled, started = 0, time.perf_counter()
 
     def judge_ready() -> None:

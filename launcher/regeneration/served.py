@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import threading
 import time
 from collections import deque
@@ -50,6 +49,7 @@ from launcher.regeneration.parts import (
     saying_what_is_kept,
     template_kwargs,
 )
+from launcher.run_io.progress import prompt_progress
 from launcher.serving.endpoint_check import check_serves_target
 from launcher.serving.openai_client import OpenAIClient, RequestRefused, ServerDown
 
@@ -247,14 +247,11 @@ class _Pool:
 def answer_all(clients: list[OpenAIClient], prompts: list[Prompt], requests: Requests, writer: PartWriter,
                concurrency: int) -> Outcome:
     """Every prompt answered by one of the clients, each record on disk as soon as it is complete."""
-    from tqdm import tqdm
-
     outcome, started = Outcome(), time.perf_counter()
     # A down server is asked again at the longest wait between two retries of a request.
     pool = _Pool(prompts, [client.url for client in clients], outcome,
                  probe_s=clients[0].backoff_s * 2 ** clients[0].max_retries)
-    bar = tqdm(total=len(prompts), unit=" prompts", desc="regenerating", file=sys.stderr, mininterval=1.0,
-               dynamic_ncols=True)
+    bar = prompt_progress("regenerating", total=len(prompts))
 
     leaving = threading.Event()   # the main thread left (a signal, an error): take no more prompts
 

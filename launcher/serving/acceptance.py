@@ -28,17 +28,6 @@ def load_prompts(paths, tokenizer, num_prompts: int, *, max_prompt_tokens: int,
     return [p.token_ids for p in prompts], skipped
 
 
-def decoding(prompts, what: str):
-    """`prompts`, iterated with a progress bar on stderr (prompts done, rate, time left) that says `what`
-    decodes them: an evaluation on CPU runs for minutes per prompt set."""
-    import sys
-
-    from tqdm import tqdm
-
-    return tqdm(prompts, desc=what, unit=" prompts", file=sys.stderr, mininterval=1.0, dynamic_ncols=True,
-                leave=False)
-
-
 def per_position_from_steps(accepted: list[int], block_size: int) -> list[int]:
     """Steps' accepted draft counts -> steps that accepted draft position j, j = 0..Bs-2."""
     return [sum(a > j for a in accepted) for j in range(block_size - 1)]

@@ -21,7 +21,8 @@ from dflash_core.drafter.dflash2 import DFlash2Config
 from dflash_core.serving.export import CONFIG_NAME, WEIGHTS_NAME, check_export
 from launcher.config import ConfigError
 from launcher.evaluate import check_fits_target
-from launcher.serving.acceptance import decoding, prompt_row, summarize, tie_tolerance
+from launcher.run_io.progress import prompt_progress
+from launcher.serving.acceptance import prompt_row, summarize, tie_tolerance
 from launcher.serving.endpoint_check import check_serves_drafter, check_serves_target
 from launcher.serving.openai_client import OpenAIClient, ServerError
 from launcher.serving.vllm_server import ServerExited, VllmServer, parse_spec_counters
@@ -95,7 +96,7 @@ def decode_speculative(client: OpenAIClient, prompts, *, max_tokens: int, stop: 
     progress bar."""
     results = []
     before = parse_spec_counters(client.metrics())
-    for ids in decoding(prompts, what):
+    for ids in prompt_progress(what, prompts, leave=False):
         started = time.perf_counter()
         tokens = client.complete_ids(ids, max_tokens=max_tokens, stop_token_ids=stop)
         seconds = time.perf_counter() - started
@@ -139,7 +140,7 @@ def served_margin(client: OpenAIClient, dtype: str):
 def decode_plain(client: OpenAIClient, prompts, *, max_tokens: int, stop: list[int]):
     """-> [(tokens, seconds decoding)] per prompt."""
     outputs = []
-    for ids in decoding(prompts, "plain decoding"):
+    for ids in prompt_progress("plain decoding", prompts, leave=False):
         started = time.perf_counter()
         outputs.append((client.complete_ids(ids, max_tokens=max_tokens, stop_token_ids=stop),
                         time.perf_counter() - started))
